@@ -1,0 +1,37 @@
+"""hf_kvspec: paged and quantized KV caches, GQA/MLA attention patches and exact speculative decoding
+for Hugging Face transformers, through its public extension points.
+
+Importing the package has no side effects and imports nothing heavy: public names resolve lazily on
+first access. Registration with transformers is explicit: call ``hf_kvspec.register()``.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+__version__ = "0.1.0"
+
+# public name -> module that defines it (resolved on first attribute access, PEP 562)
+_EXPORTS: dict[str, str] = {
+    # foundation
+    "load_bundled_model": "hf_kvspec.models",
+    "BundledModelNotInstalledError": "hf_kvspec.models",
+    "kv_cache_bytes": "hf_kvspec.memory",
+    "register": "hf_kvspec.registry",
+    "unregister": "hf_kvspec.registry",
+}
+
+__all__ = sorted(_EXPORTS) + ["__version__"]
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'hf_kvspec' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # cache: later lookups skip __getattr__
+    return value
+
+
+def __dir__():
+    return __all__

@@ -1,0 +1,1 @@
+"""attention subpackage; public names are re-exported from hf_kvspec."""

@@ -1,0 +1,1 @@
+"""cache subpackage; public names are re-exported from hf_kvspec."""

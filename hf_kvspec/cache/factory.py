@@ -1,0 +1,32 @@
+"""Build a cache from a short name (the CLI's ``--cache`` choices).
+
+Boundary: maps names to cache constructors; knows nothing about generation. Each cache family adds
+its names to ``CACHE_CHOICES`` and a branch to ``make_cache``.
+"""
+
+from __future__ import annotations
+
+CACHE_CHOICES: tuple[str, ...] = ("dynamic",)
+
+
+def make_cache(name: str, config):
+    """A fresh, empty cache called ``name`` for a model with ``config``."""
+    if name == "dynamic":
+        from transformers import DynamicCache
+
+        return DynamicCache(config=config)
+    raise ValueError(f"Unknown cache {name!r}; choose one of {', '.join(CACHE_CHOICES)}.")
+
+
+def cache_nbytes(cache) -> int:
+    """Bytes a cache actually stores: its own ``nbytes()`` when it has one, else the sum over its tensors."""
+    own = getattr(cache, "nbytes", None)
+    if callable(own):
+        return int(own())
+    total = 0
+    for layer in getattr(cache, "layers", ()):
+        for name in ("keys", "values"):
+            tensor = getattr(layer, name, None)
+            if tensor is not None and hasattr(tensor, "nbytes"):
+                total += tensor.nbytes
+    return total

@@ -1,0 +1,1 @@
+"""heads subpackage; public names are re-exported from hf_kvspec."""

@@ -1,0 +1,206 @@
+"""KV-cache byte arithmetic for any transformers config (MHA / GQA / MQA / MLA, any dtype or bit width).
+
+Boundary: pure arithmetic on a config; no tensors are allocated. Caches in this package report their
+actual storage with ``nbytes()``, and the tests check those against the formulas here, to the byte.
+
+Formulas (per token, per layer; ``E`` = cached elements):
+    dense attention:  E = 2 · H_kv · D            (K and V; MHA H_kv = H, MQA 1, GQA G)
+    MLA (DeepSeek):   E = d_c + d_r               (latent + shared RoPE key; no factor 2)
+    full precision:   bytes = E · dtype_bytes
+    group-quantized:  bits  = E · (b + 2·16/G)    (b code bits; fp16 scale + fp16 zero per group of G)
+
+Token accounting:
+    sliding-window layers keep ``min(S, window - 1)`` tokens: transformers' ``DynamicSlidingWindowLayer``
+    stores ``window - 1`` tokens because the next query token completes the window.
+    Quantized storage (KIVI-style) keeps the newest tokens in a full-precision residual window of at most
+    ``R`` tokens and flushes whole groups of ``G`` from its old end (see ``quantized_token_split``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+SUPPORTED_BITS = (2, 4, 8)
+_SCALE_ZERO_BITS = 2 * 16  # one fp16 scale and one fp16 zero point per group
+
+
+@dataclass(frozen=True)
+class LayerKV:
+    """What one attention layer caches per token."""
+
+    elements_per_token: int  # E: cached elements per token (K and V together)
+    window: int | None  # sliding window in tokens, or None for full attention
+
+
+def _text_config(config):
+    get = getattr(config, "get_text_config", None)
+    return get() if callable(get) else config
+
+
+def is_mla(config) -> bool:
+    """DeepSeek-V2/V3-style multi-head latent attention (caches ``c_kv`` + ``k_rope``)."""
+    config = _text_config(config)
+    return getattr(config, "kv_lora_rank", None) is not None and getattr(config, "qk_rope_head_dim", None) is not None
+
+
+def head_dim(config) -> int:
+    config = _text_config(config)
+    explicit = getattr(config, "head_dim", None)
+    return int(explicit) if explicit else config.hidden_size // config.num_attention_heads
+
+
+def num_kv_heads(config) -> int:
+    config = _text_config(config)
+    heads = getattr(config, "num_key_value_heads", None)
+    return int(heads) if heads else int(config.num_attention_heads)
+
+
+def layer_kv_specs(config) -> list[LayerKV]:
+    """Per-layer cache shape of a config, following its ``layer_types`` when present."""
+    config = _text_config(config)
+    if is_mla(config):
+        per_token = int(config.kv_lora_rank) + int(config.qk_rope_head_dim)
+    else:
+        per_token = 2 * num_kv_heads(config) * head_dim(config)
+    num_layers = int(config.num_hidden_layers)
+    layer_types = getattr(config, "layer_types", None) or ["full_attention"] * num_layers
+    window = getattr(config, "sliding_window", None)
+    specs = []
+    for kind in layer_types[:num_layers]:
+        sliding = kind in ("sliding_attention", "chunked_attention") and window
+        specs.append(LayerKV(per_token, int(window) if sliding else None))
+    return specs
+
+
+def stored_tokens(seq_len: int, window: int | None) -> int:
+    """Tokens a layer holds after ``seq_len`` tokens (sliding layers keep ``window - 1``)."""
+    return seq_len if window is None else min(seq_len, window - 1)
+
+
+def check_quant_params(bits: int, group_size: int, residual_length: int = 0) -> None:
+    """Raise ``ValueError`` naming the fix for unsupported quantization settings."""
+    if bits not in SUPPORTED_BITS:
+        raise ValueError(f"bits={bits} is not supported; use one of {SUPPORTED_BITS}.")
+    if not isinstance(group_size, int) or group_size <= 0 or group_size % (8 // math.gcd(8, bits)):
+        raise ValueError(f"group_size={group_size} must be a positive integer multiple of {8 // math.gcd(8, bits)}.")
+    if residual_length < 0 or residual_length % group_size:
+        raise ValueError(
+            f"residual_length={residual_length} must be a non-negative multiple of group_size={group_size} "
+            "(the window flushes whole groups)."
+        )
+
+
+def quantized_token_split(seq_len: int, group_size: int, residual_length: int) -> tuple[int, int]:
+    """``(quantized, residual)`` token counts for a KIVI-style cache holding ``seq_len`` tokens.
+
+    The residual window holds at most ``residual_length`` tokens; whenever it would overflow, its oldest
+    full group of ``group_size`` tokens is quantized. So the quantized count is the smallest multiple of
+    ``group_size`` that leaves at most ``residual_length`` tokens in the window. With
+    ``residual_length == 0`` every complete group is quantized and the remainder stays in full precision.
+    """
+    if residual_length == 0:
+        quantized = (seq_len // group_size) * group_size
+    else:
+        overflow = max(0, seq_len - residual_length)
+        quantized = math.ceil(overflow / group_size) * group_size
+    return quantized, seq_len - quantized
+
+
+def dtype_bytes(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _quantized_bits(elements: int, bits: int, group_size: int) -> int:
+    return elements * bits + (elements // group_size) * _SCALE_ZERO_BITS
+
+
+def kv_cache_bytes(
+    config,
+    seq_len: int,
+    batch_size: int = 1,
+    dtype: torch.dtype = torch.bfloat16,
+    bits: int | None = None,
+    group_size: int = 64,
+    residual_length: int = 0,
+) -> int:
+    """Bytes of KV cache for ``batch_size`` sequences of ``seq_len`` tokens under ``config``.
+
+    Args:
+        config: any transformers config (text config is taken from multimodal configs).
+        seq_len: tokens per sequence.
+        batch_size: number of sequences.
+        dtype: storage dtype of full-precision entries (and of the residual window when quantized).
+        bits: code bits for group-quantized storage (2, 4 or 8), or ``None`` for full precision.
+        group_size: elements per quantization group (one fp16 scale + one fp16 zero each).
+        residual_length: newest tokens kept in ``dtype`` (a multiple of ``group_size``).
+    """
+    if seq_len < 0 or batch_size < 0:
+        raise ValueError("seq_len and batch_size must be non-negative.")
+    if bits is not None:
+        check_quant_params(bits, group_size, residual_length)
+    elem_bytes = dtype_bytes(dtype)
+    total = 0
+    for layer in layer_kv_specs(config):
+        tokens = stored_tokens(seq_len, layer.window)
+        if bits is None:
+            total += tokens * layer.elements_per_token * elem_bytes
+            continue
+        quantized, residual = quantized_token_split(tokens, group_size, residual_length)
+        total += _quantized_bits(quantized * layer.elements_per_token, bits, group_size) // 8
+        total += residual * layer.elements_per_token * elem_bytes
+    return total * batch_size
+
+
+def kv_bytes_per_token(config, dtype: torch.dtype = torch.bfloat16) -> int:
+    """Full-precision bytes per token across all layers (ignoring sliding-window caps)."""
+    return sum(layer.elements_per_token for layer in layer_kv_specs(config)) * dtype_bytes(dtype)
+
+
+def parameter_bytes(config, dtype: torch.dtype = torch.bfloat16) -> int:
+    """Approximate weight bytes of a model built from ``config`` (meta-device init, no allocation)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):  # shapes only; some modules allocate parameters with bare torch.empty
+        model = AutoModelForCausalLM.from_config(config)
+    return sum(p.numel() for p in model.parameters()) * dtype_bytes(dtype)
+
+
+def max_batch_size(
+    config,
+    seq_len: int,
+    budget_bytes: int,
+    dtype: torch.dtype = torch.bfloat16,
+    weight_bytes: int | None = None,
+    **quant,
+) -> int:
+    """Largest batch whose KV cache fits in ``budget_bytes`` after the weights."""
+    weights = parameter_bytes(config, dtype) if weight_bytes is None else weight_bytes
+    per_seq = kv_cache_bytes(config, seq_len, 1, dtype, **quant)
+    free = budget_bytes - weights
+    return max(0, free // per_seq) if per_seq else 0
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    """Parse ``"80GiB"``, ``"80 GB"``, ``"1.5TiB"`` or a plain integer into bytes."""
+    cleaned = text.strip().lower().replace(" ", "")
+    number = cleaned.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = cleaned[len(number):]
+    if unit not in _UNITS or not number:
+        raise ValueError(f"Cannot parse a byte size from {text!r}; use e.g. '80GiB', '500MB' or '1048576'.")
+    return int(float(number) * _UNITS[unit])
+
+
+def format_bytes(num: float) -> str:
+    """Binary units, e.g. ``1.25 GiB``."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(num) < 1024 or unit == "TiB":
+            return f"{num:.0f} {unit}" if unit == "B" else f"{num:.2f} {unit}"
+        num /= 1024
+    raise AssertionError("unreachable")

@@ -1,0 +1,30 @@
+"""Explicit, idempotent, reversible registration of hf_kvspec's extensions with transformers.
+
+Boundary: the one place that decides *which* extensions ``hf_kvspec.register()`` installs. Each
+feature module owns a ``register_*`` / ``unregister_*`` pair; this module only calls them in order.
+Nothing is registered at import time.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+# (module, register function, unregister function), in registration order
+_REGISTRARS: list[tuple[str, str, str]] = [
+]
+
+
+def _call(module: str, function: str) -> None:
+    getattr(importlib.import_module(module), function)()
+
+
+def register() -> None:
+    """Register every extension (attention functions + masks, AutoConfig/AutoModel heads). Idempotent."""
+    for module, register_fn, _ in _REGISTRARS:
+        _call(module, register_fn)
+
+
+def unregister() -> None:
+    """Undo ``register()``; safe to call when nothing is registered."""
+    for module, _, unregister_fn in reversed(_REGISTRARS):
+        _call(module, unregister_fn)

@@ -1,0 +1,1 @@
+"""speculative subpackage; public names are re-exported from hf_kvspec."""

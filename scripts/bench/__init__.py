@@ -1,0 +1,1 @@
+"""Benchmark subcommands for ``scripts/benchmark.py``; each module exposes ``add_arguments`` and ``run``."""
