@@ -66,13 +66,31 @@ def layer_kv_specs(config) -> list[LayerKV]:
     else:
         per_token = 2 * num_kv_heads(config) * head_dim(config)
     num_layers = int(config.num_hidden_layers)
-    layer_types = getattr(config, "layer_types", None) or ["full_attention"] * num_layers
-    window = getattr(config, "sliding_window", None)
     specs = []
-    for kind in layer_types[:num_layers]:
-        sliding = kind in ("sliding_attention", "chunked_attention") and window
-        specs.append(LayerKV(per_token, int(window) if sliding else None))
+    for kind in _layer_types(config)[:num_layers]:
+        if kind in ("moe", "mlp", "dummy"):  # layers without attention cache nothing
+            specs.append(LayerKV(0, None))
+        elif kind in ("sliding_attention", "hybrid_sliding", "reference_sliding_attention"):
+            specs.append(LayerKV(per_token, int(config.sliding_window)))
+        elif kind == "chunked_attention":
+            specs.append(LayerKV(per_token, int(config.attention_chunk_size)))
+        else:
+            specs.append(LayerKV(per_token, None))
     return specs
+
+
+def _layer_types(config) -> list[str]:
+    """Explicit ``layer_types``, else inferred the way transformers' ``DynamicCache`` infers them."""
+    explicit = getattr(config, "layer_types", None)
+    if explicit:
+        return list(explicit)
+    if getattr(config, "sliding_window", None) is not None:
+        kind = "sliding_attention"
+    elif getattr(config, "attention_chunk_size", None) is not None:
+        kind = "chunked_attention"
+    else:
+        kind = "full_attention"
+    return [kind] * int(config.num_hidden_layers)
 
 
 def stored_tokens(seq_len: int, window: int | None) -> int:

