@@ -19,9 +19,16 @@ _EXPORTS: dict[str, str] = {
     "kv_cache_bytes": "hf_kvspec.memory",
     "register": "hf_kvspec.registry",
     "unregister": "hf_kvspec.registry",
+    # draft heads
+    "MedusaHeads": "hf_kvspec.heads.modeling_medusa",
+    "MedusaConfig": "hf_kvspec.heads.configuration",
+    "EagleDrafter": "hf_kvspec.heads.modeling_eagle",
+    "EagleConfig": "hf_kvspec.heads.configuration",
+    "BaseModelMismatchError": "hf_kvspec.heads.pairing",
+    "load_bundled_heads": "hf_kvspec.heads.bundled",
 }
 
-__all__ = sorted(_EXPORTS) + ["__version__"]
+__all__ = [*sorted(_EXPORTS), "__version__"]
 
 
 def __getattr__(name: str):

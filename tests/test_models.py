@@ -42,7 +42,7 @@ def test_cache_dir_precedence(monkeypatch, tmp_path):
 
 
 def test_bundled_model_shape(bundled):
-    model, tokenizer = bundled
+    model, _ = bundled
     config = model.config
     assert type(model).__name__ == "LlamaForCausalLM"
     assert (config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads) == (30, 9, 3)

@@ -6,8 +6,8 @@
 from __future__ import annotations
 
 import torch
-from bench.harness import Report, measure, save_plot
 
+from bench.harness import Report, measure, save_plot
 from hf_kvspec.cache.factory import CACHE_CHOICES, cache_nbytes, make_cache
 
 

@@ -6,8 +6,8 @@
 from __future__ import annotations
 
 import torch
-from bench.harness import Report, save_plot
 
+from bench.harness import Report, save_plot
 from hf_kvspec.memory import format_bytes, kv_cache_bytes
 from hf_kvspec.presets import PRESETS, load_config
 
