@@ -21,3 +21,81 @@ def check_transformers_version() -> None:
             f"hf_kvspec is tested with transformers >={low},<{high}; found {TRANSFORMERS_VERSION}. "
             f"Install a tested version: pip install 'transformers>={low},<{high}'"
         )
+
+
+# --- draft heads (hf_kvspec.heads) ---------------------------------------------------------------------------------
+
+def decoder_layer_class(config) -> type:
+    """The base architecture's own decoder-layer class (e.g. ``LlamaDecoderLayer``) for ``config.model_type``.
+
+    Private: reads ``PreTrainedModel._no_split_modules``, where every transformers model names its decoder layer.
+    """
+    import importlib
+
+    from transformers import MODEL_MAPPING
+
+    model_class = MODEL_MAPPING[type(config)]
+    names = getattr(model_class, "_no_split_modules", None) or []
+    module = importlib.import_module(model_class.__module__)
+    for name in names:
+        if name.endswith("DecoderLayer") and hasattr(module, name):
+            return getattr(module, name)
+    raise NotImplementedError(f"Cannot find the decoder-layer class of {config.model_type!r} "
+                              f"({model_class.__name__}._no_split_modules = {names}).")
+
+
+def rotary_embedding_class(config) -> type:
+    """The base architecture's rotary-embedding class (``<Prefix>RotaryEmbedding`` next to its model class)."""
+    import importlib
+
+    from transformers import MODEL_MAPPING
+
+    model_class = MODEL_MAPPING[type(config)]
+    module = importlib.import_module(model_class.__module__)
+    name = model_class.__name__.removesuffix("Model") + "RotaryEmbedding"
+    if not hasattr(module, name):
+        raise NotImplementedError(f"{config.model_type!r} has no {name}; EAGLE drafters need a RoPE architecture.")
+    return getattr(module, name)
+
+
+def unregister_auto_config(model_type: str) -> None:
+    """Undo ``AutoConfig.register(model_type, ...)``. Private: ``CONFIG_MAPPING._extra_content``."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    CONFIG_MAPPING._extra_content.pop(model_type, None)
+
+
+def unregister_auto_model(auto_class, config_class) -> None:
+    """Undo ``auto_class.register(config_class, ...)``. Private: ``_model_mapping._extra_content``."""
+    auto_class._model_mapping._extra_content.pop(config_class, None)
+
+
+# --- attention patches (hf_kvspec.attention) -----------------------------------------------------------------------
+
+def attn_implementation(config) -> str | None:
+    """The attention implementation a loaded model dispatches to. Private: ``config._attn_implementation``."""
+    return getattr(config, "_attn_implementation", None)
+
+
+def attention_entries(name: str) -> tuple[object | None, object | None]:
+    """``(attention function, mask function)`` globally registered under ``name``, or ``None`` each.
+
+    Private: ``AttentionInterface._global_mapping`` / ``AttentionMaskInterface._global_mapping``.
+    """
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    return AttentionInterface._global_mapping.get(name), AttentionMaskInterface._global_mapping.get(name)
+
+
+def restore_attention_entries(name: str, function: object | None, mask_function: object | None) -> None:
+    """Put back what ``attention_entries(name)`` returned; ``None`` deletes the entry (no public unregister)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    for mapping, value in ((AttentionInterface._global_mapping, function),
+                           (AttentionMaskInterface._global_mapping, mask_function)):
+        if value is None:
+            mapping.pop(name, None)
+        else:
+            mapping[name] = value

@@ -11,6 +11,7 @@ import importlib
 
 # (module, register function, unregister function), in registration order
 _REGISTRARS: list[tuple[str, str, str]] = [
+    ("hf_kvspec.heads.registration", "register_heads", "unregister_heads"),
 ]
 
 

@@ -1,0 +1,43 @@
+"""Trained heads for the bundled SmolLM2-135M-Instruct, shipped inside the package (``hf_kvspec/bundled_heads``).
+
+Boundary: finds a committed head directory and loads it; training them is ``scripts/train_drafter.py`` (the exact
+command is in each head's README.md model card).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from hf_kvspec.models import DEFAULT_MODEL
+
+BUNDLED_HEADS_DIR = Path(__file__).resolve().parent.parent / "bundled_heads"
+HEAD_KINDS = ("medusa", "eagle")
+
+
+def bundled_heads_path(kind: str, base: str = DEFAULT_MODEL) -> Path:
+    """Directory of a committed head (``config.json``, ``model.safetensors``, ``README.md``)."""
+    if kind not in HEAD_KINDS:
+        raise ValueError(f"kind must be one of {HEAD_KINDS}, got {kind!r}.")
+    path = BUNDLED_HEADS_DIR / f"{base}-{kind}"
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(
+            f"No bundled {kind} head for {base!r} at {path}. Train one with: accelerate launch "
+            f"scripts/train_drafter.py --head {kind} --base_model bundled:{base} --output_dir <dir>"
+        )
+    return path
+
+
+def load_bundled_heads(kind: str = "medusa", base_model=None, dtype: torch.dtype = torch.float32,
+                       base: str = DEFAULT_MODEL):
+    """Load the committed ``"medusa"`` or ``"eagle"`` head for the bundled model, in eval mode.
+
+    If ``base_model`` is given, the head is attached to it (pairing checked, embedding/LM head borrowed).
+    """
+    from hf_kvspec.heads.modeling_eagle import EagleDrafter
+    from hf_kvspec.heads.modeling_medusa import MedusaHeads
+
+    model_class = MedusaHeads if kind == "medusa" else EagleDrafter
+    head = model_class.from_pretrained(bundled_heads_path(kind, base), dtype=dtype).eval()
+    return head.attach(base_model) if base_model is not None else head

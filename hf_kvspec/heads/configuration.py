@@ -1,0 +1,100 @@
+"""Configs of the draft heads (``PreTrainedConfig`` dataclasses), each recording the base model it was trained for.
+
+Boundary: typed data only; the modeling files build modules from these, ``pairing.py`` checks the base-model record.
+"""
+
+from __future__ import annotations
+
+from huggingface_hub.dataclasses import strict
+from transformers import PreTrainedConfig
+
+from hf_kvspec.heads.pairing import BaseModelRecord, describe_base_model
+
+_UNSAVED_BASE_FIELDS = ("architectures", "transformers_version", "auto_map", "dtype", "torch_dtype")
+
+
+@strict
+class DraftHeadConfig(PreTrainedConfig):
+    """Fields shared by every head: the base-model record (see ``hf_kvspec.heads.pairing``)."""
+
+    base_model_name_or_path: str | None = None
+    base_model_revision: str | None = None
+    base_model_fingerprint: str | None = None
+    base_hidden_size: int = 576
+    base_vocab_size: int = 49152
+    initializer_range: float = 0.02
+    tie_word_embeddings: bool = False  # heads hold no embedding; the base model's is used at run time
+
+    @property
+    def base_model_record(self) -> BaseModelRecord:
+        return BaseModelRecord(self.base_model_name_or_path, self.base_model_revision, self.base_model_fingerprint,
+                               self.base_hidden_size, self.base_vocab_size)
+
+    @classmethod
+    def for_base_model(cls, base_model, name_or_path: str | None = None, revision: str | None = None, **kwargs):
+        """A config whose base-model record describes ``base_model`` (a loaded causal LM)."""
+        record = describe_base_model(base_model, name_or_path, revision)
+        return cls(**record.to_config_kwargs(), **kwargs)
+
+
+@strict
+class MedusaConfig(DraftHeadConfig):
+    """Medusa-1 heads (Cai et al., arXiv 2401.10774): head k predicts token t+k+1 from the last hidden state at t.
+
+    Args:
+        num_heads: number of heads K (draft depth).
+        num_layers: residual SiLU blocks per head; each block is its own module.
+        share_lm_head: project with the base model's (frozen) LM head instead of storing one ``[V, H]`` matrix per head.
+    """
+
+    model_type = "hf_kvspec_medusa"
+
+    num_heads: int = 4
+    num_layers: int = 1
+    share_lm_head: bool = True
+
+    def validate_architecture(self):
+        if self.num_heads < 1 or self.num_layers < 0:
+            raise ValueError(f"MedusaConfig needs num_heads >= 1 and num_layers >= 0, got {self.num_heads}, "
+                             f"{self.num_layers}.")
+
+
+@strict
+class EagleConfig(DraftHeadConfig):
+    """EAGLE drafter (Li et al., arXiv 2401.15077; EAGLE-3 feature fusion, arXiv 2503.01840).
+
+    One decoder layer of the base architecture runs over ``fc(concat(embed(token), feature))``; the embedding and
+    LM head are the base model's.
+
+    Args:
+        base_config: the base model's config as a dict (``config.to_dict()``); the drafter's decoder layer is built
+            from it with the base architecture's own decoder-layer class.
+        feature_layers: indices into the base model's ``hidden_states`` tuple (0 = embeddings, -1 = final,
+            normalised). One entry = EAGLE-1 feature; several = EAGLE-3 fusion through a linear ``fuse`` layer.
+    """
+
+    model_type = "hf_kvspec_eagle"
+
+    base_config: dict | None = None
+    feature_layers: list[int] | None = None
+    rms_norm_eps: float = 1e-5
+
+    def __post_init__(self, **kwargs):
+        if self.feature_layers is None:
+            self.feature_layers = [-1]
+        super().__post_init__(**kwargs)
+
+    def validate_architecture(self):
+        if not self.feature_layers:
+            raise ValueError("EagleConfig.feature_layers must name at least one base-model layer, e.g. [-1].")
+
+    @classmethod
+    def for_base_model(cls, base_model, name_or_path: str | None = None, revision: str | None = None, **kwargs):
+        text_config = base_model.config.get_text_config()
+        base = {k: v for k, v in text_config.to_dict().items() if not k.startswith("_") and k not in _UNSAVED_BASE_FIELDS}
+        kwargs.setdefault("rms_norm_eps", getattr(text_config, "rms_norm_eps", 1e-5))
+        return super().for_base_model(base_model, name_or_path, revision, base_config=base, **kwargs)
+
+    @property
+    def num_feature_layers(self) -> int:
+        return len(self.feature_layers)

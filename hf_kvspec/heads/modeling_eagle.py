@@ -1,0 +1,165 @@
+"""EAGLE drafter (Li et al., arXiv 2401.15077; EAGLE-3, arXiv 2503.01840) as a ``PreTrainedModel``.
+
+Boundary: one draft step maps (next token, target feature) pairs to a draft hidden state and next-token logits, and
+``unrolled`` runs several steps with the EAGLE-3 "training-time test" mask. Drafting trees and verification live in
+``hf_kvspec.speculative``; training in ``scripts/train_drafter.py``.
+
+Shapes: B batch, T positions, H hidden size, F = len(feature_layers) * H raw feature width, V vocabulary,
+J unrolled steps.
+
+Alignment (EAGLE's shifted pairing): row t pairs the target feature ``f_t`` (base hidden state after token x_t) with
+the embedding of ``x_{t+1}``; the draft hidden state ``g_t`` predicts ``f_{t+1}`` and its logits predict ``x_{t+2}``.
+
+Deviations: the decoder layer is the base architecture's own class built from its config (not a copy); a final
+RMSNorm sits before the borrowed LM head (as in EAGLE-3); with one feature layer the feature is the base model's
+*normalised* last hidden state (what its LM head sees).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers import AutoConfig, DynamicCache, PreTrainedConfig
+from transformers.utils import ModelOutput
+
+from hf_kvspec import _compat
+from hf_kvspec.heads.configuration import EagleConfig
+from hf_kvspec.heads.modeling_common import DraftHeadModel
+
+
+@dataclass
+class EagleOutput(ModelOutput):
+    """hidden_states: [B, T, H] draft hidden state g (before the norm); logits: [B, T, V] or None; cache."""
+
+    hidden_states: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+    cache: DynamicCache | None = None
+
+
+def layer_config(config: EagleConfig, attn_implementation: str = "sdpa") -> PreTrainedConfig:
+    """The base architecture's config for the drafter's single decoder layer (layer index 0)."""
+    if config.base_config is None:
+        raise ValueError("EagleConfig.base_config is empty; build the config with EagleConfig.for_base_model(model).")
+    fields = {k: v for k, v in config.base_config.items() if k not in ("architectures", "auto_map")}
+    fields["num_hidden_layers"] = 1
+    return AutoConfig.for_model(fields.pop("model_type"), attn_implementation=attn_implementation, **fields)
+
+
+def unrolled_step_mask(valid: torch.Tensor, step: int, dtype: torch.dtype) -> torch.Tensor:
+    """Additive mask [B, 1, T, (step+1)*T] for step ``step`` of the training-time test (EAGLE-3).
+
+    Query (step j, start s) sits at position s+j and may see: step-0 keys at columns c <= s (true features of the
+    verified prefix, padding excluded), and for each earlier unrolled step i in 1..j only the key of its own start s
+    (the chain it drafted itself). Worked example, T=3, j=1 (columns: step 0 | step 1):
+        s=0: 1 0 0 | 1 0 0
+        s=1: 1 1 0 | 0 1 0
+        s=2: 1 1 1 | 0 0 1
+    valid: [B, T] bool, True on real tokens.
+    """
+    size = valid.shape[1]
+    prefix = torch.ones(size, size, dtype=torch.bool, device=valid.device).tril()   # [T, T], c <= s
+    own = torch.eye(size, dtype=torch.bool, device=valid.device)                     # [T, T], c == s
+    allowed = torch.cat([prefix] + [own] * step, dim=1)                              # [T, (j+1)T]
+    keys_valid = torch.cat([valid] + [torch.ones_like(valid)] * step, dim=1)         # [B, (j+1)T]
+    allowed = allowed[None] & keys_valid[:, None, :]                                 # [B, T, (j+1)T]
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=valid.device)
+    return mask.masked_fill(~allowed, torch.finfo(dtype).min)[:, None]
+
+
+class EagleDrafter(DraftHeadModel):
+    """One base-architecture decoder layer over ``fc(concat(embed(token), feature))``; borrowed embedding + LM head.
+
+    Example (one draft step after a target forward)::
+
+        drafter = EagleDrafter.from_pretrained(path).attach(base_model)
+        out = base_model(ids, output_hidden_states=True)
+        features = drafter.collect_features(out.hidden_states)                 # [B, T, F]
+        next_ids = torch.cat([ids[:, 1:], out.logits[:, -1:].argmax(-1)], 1)   # x_{t+1} for every row t
+        draft = drafter(next_ids, features=features)                           # .logits [B, T, V] predict x_{t+2}
+    """
+
+    config_class = EagleConfig
+
+    def __init__(self, config: EagleConfig):
+        super().__init__(config)
+        hidden = config.base_hidden_size
+        self.layer_config = layer_config(config)
+        self.fuse = (nn.Linear(config.num_feature_layers * hidden, hidden, bias=False)
+                     if config.num_feature_layers > 1 else None)
+        self.fc = nn.Linear(2 * hidden, hidden, bias=True)
+        self.layer = _compat.decoder_layer_class(self.layer_config)(self.layer_config, layer_idx=0)
+        self.norm = nn.RMSNorm(hidden, eps=config.rms_norm_eps)
+        self.rotary_emb = _compat.rotary_embedding_class(self.layer_config)(config=self.layer_config)
+        self.post_init()
+
+    # ---- features -------------------------------------------------------------------------------------------------
+    def collect_features(self, base_hidden_states: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """Base model's ``hidden_states`` tuple (each [B, T, H]) -> raw features [B, T, F] for ``feature_layers``."""
+        return torch.cat([base_hidden_states[i] for i in self.config.feature_layers], dim=-1)
+
+    def fuse_features(self, features: torch.Tensor) -> torch.Tensor:
+        """[B, T, F] -> [B, T, H] (identity for a single feature layer)."""
+        return features if self.fuse is None else self.fuse(features)
+
+    # ---- one step ---------------------------------------------------------------------------------------------------
+    def step(self, input_ids: torch.Tensor, fused: torch.Tensor, position_ids: torch.Tensor,
+             attention_mask: torch.Tensor | None = None, cache: DynamicCache | None = None) -> torch.Tensor:
+        """input_ids [B, T] (token after each feature's position), fused [B, T, H], position_ids [B, T] -> g [B, T, H].
+
+        ``attention_mask``: additive [B, 1, T, S+T] or None for plain causal attention over ``cache`` + new rows.
+        """
+        embeds = self.borrowed().embed_tokens(input_ids)                                   # [B, T, H]
+        hidden = self.fc(torch.cat([embeds.to(fused.dtype), fused], dim=-1))              # [B, T, H]
+        if attention_mask is None and (cache is not None and cache.get_seq_length() > 0):
+            raise ValueError("Pass an explicit attention_mask when extending a non-empty drafter cache.")
+        return self.layer(hidden, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
+                          use_cache=cache is not None,
+                          position_embeddings=self.rotary_emb(hidden, position_ids=position_ids))
+
+    def logits(self, draft_hidden: torch.Tensor) -> torch.Tensor:
+        """g [B, T, H] -> logits [B, T, V] through the norm and the borrowed LM head."""
+        return torch.einsum("bth,vh->btv", self.norm(draft_hidden), self.borrowed().lm_head.weight)
+
+    def forward(self, input_ids: torch.Tensor, features: torch.Tensor | None = None,
+                draft_hidden: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+                attention_mask: torch.Tensor | None = None, cache: DynamicCache | None = None,
+                return_logits: bool = True, **kwargs) -> EagleOutput:
+        """One draft step. Give ``features`` (raw target features [B, T, F]) or ``draft_hidden`` (the drafter's own
+        previous output [B, T, H], used in place of the feature when drafting beyond the verified prefix)."""
+        if (features is None) == (draft_hidden is None):
+            raise ValueError("Pass exactly one of features= (target) or draft_hidden= (drafter's own output).")
+        fused = self.fuse_features(features) if features is not None else draft_hidden
+        if position_ids is None:
+            start = cache.get_seq_length() if cache is not None else 0
+            position_ids = torch.arange(start, start + input_ids.shape[1], device=input_ids.device)[None]
+        hidden = self.step(input_ids, fused, position_ids, attention_mask, cache)
+        return EagleOutput(hidden_states=hidden, logits=self.logits(hidden) if return_logits else None, cache=cache)
+
+    # ---- training-time test -----------------------------------------------------------------------------------------
+    def unrolled(self, input_ids: torch.Tensor, features: torch.Tensor, valid: torch.Tensor,
+                 steps: int) -> list[torch.Tensor]:
+        """Draft ``steps`` tokens from every start position at once; returns [g_0, ..., g_{J-1}], each [B, T, H].
+
+        input_ids: [B, T] with ``input_ids[:, s] = x_{s+1}``; step j at start s consumes ``x_{s+j+1}`` (the token
+        a correct chain would have drafted) and, for j >= 1, its own previous hidden state instead of a feature.
+        valid: [B, T] bool. Rows whose shifted token runs past the end reuse the last column (their labels are
+        masked by the caller).
+        """
+        size = input_ids.shape[1]
+        positions = torch.arange(size, device=input_ids.device)[None].expand_as(input_ids)
+        cache, fused, outputs = DynamicCache(), self.fuse_features(features), []
+        for j in range(steps):
+            ids_j = input_ids[:, (torch.arange(size, device=input_ids.device) + j).clamp(max=size - 1)]
+            mask = unrolled_step_mask(valid, j, fused.dtype)
+            hidden = self.step(ids_j, fused if j == 0 else outputs[-1], positions + j, mask, cache)
+            outputs.append(hidden)
+        return outputs
+
+    @classmethod
+    def for_base_model(cls, base_model: nn.Module, name_or_path: str | None = None,
+                       feature_layers: list[int] | None = None, **kwargs) -> "EagleDrafter":
+        """A freshly initialised drafter for ``base_model`` (config filled from it), already attached."""
+        return cls(EagleConfig.for_base_model(base_model, name_or_path, feature_layers=feature_layers,
+                                              **kwargs)).attach(base_model)
