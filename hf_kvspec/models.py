@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -115,12 +116,17 @@ def _convert(name: str, target: Path) -> None:
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.load_state_dict(loaded.state_dict())
     model.generation_config = loaded.generation_config
-    tmp = target.with_name(target.name + ".tmp")
+    tmp = target.with_name(f"{target.name}.tmp-{os.getpid()}")  # per process: parallel test workers may race
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     meta = {"name": name, "source": str(gguf), "format_version": _FORMAT_VERSION}
     (tmp / "hf_kvspec.json").write_text(json.dumps(meta, indent=2))
-    tmp.rename(target)  # atomic: a crash mid-conversion never leaves a half-written cache
+    try:
+        tmp.rename(target)  # atomic: a crash mid-conversion never leaves a half-written cache
+    except OSError:
+        if not _is_complete(target):  # another process won the race with a complete copy: keep theirs
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def bundled_model_path(name: str = DEFAULT_MODEL, cache_dir_override: str | os.PathLike | None = None) -> Path:
