@@ -71,3 +71,15 @@ def test_chat_template_and_deterministic_greedy(bundled):
     assert torch.equal(runs[0], runs[1])
     answer = tokenizer.decode(runs[0][0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
     assert "Paris" in answer  # a real model, not random weights
+
+
+@pytest.mark.slow
+def test_fresh_conversion_matches_cached_copy(bundled, tmp_path):
+    """Convert the GGUF again into an empty cache dir (~40 s): same weights, bit for bit."""
+    model, _ = bundled
+    fresh, tokenizer = load_bundled_model(cache_dir=tmp_path)
+    assert (tmp_path / "smollm2-135m-instruct-v1" / "model.safetensors").is_file()
+    assert not list(tmp_path.glob("*.tmp-*"))  # the staging dir was renamed, not left behind
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, fresh.state_dict()[name]), name
+    assert tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
