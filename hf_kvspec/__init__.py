@@ -26,6 +26,10 @@ _EXPORTS: dict[str, str] = {
     "EagleConfig": "hf_kvspec.heads.configuration",
     "BaseModelMismatchError": "hf_kvspec.heads.pairing",
     "load_bundled_heads": "hf_kvspec.heads.bundled",
+    # paged KV cache
+    "PagedCache": "hf_kvspec.cache.paged",
+    "BlockPool": "hf_kvspec.cache.block_pool",
+    "OutOfBlocksError": "hf_kvspec.cache.block_pool",
 }
 
 __all__ = [*sorted(_EXPORTS), "__version__"]

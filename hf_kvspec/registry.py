@@ -12,6 +12,7 @@ import importlib
 # (module, register function, unregister function), in registration order
 _REGISTRARS: list[tuple[str, str, str]] = [
     ("hf_kvspec.heads.registration", "register_heads", "unregister_heads"),
+    ("hf_kvspec.attention.paged", "register_paged_attention", "unregister_paged_attention"),
 ]
 
 

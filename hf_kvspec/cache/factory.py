@@ -6,7 +6,7 @@ its names to ``CACHE_CHOICES`` and a branch to ``make_cache``.
 
 from __future__ import annotations
 
-CACHE_CHOICES: tuple[str, ...] = ("dynamic",)
+CACHE_CHOICES: tuple[str, ...] = ("dynamic", "paged")
 
 
 def make_cache(name: str, config):
@@ -15,6 +15,10 @@ def make_cache(name: str, config):
         from transformers import DynamicCache
 
         return DynamicCache(config=config)
+    if name == "paged":
+        from hf_kvspec.cache.paged import PagedCache
+
+        return PagedCache(config)
     raise ValueError(f"Unknown cache {name!r}; choose one of {', '.join(CACHE_CHOICES)}.")
 
 
