@@ -30,6 +30,11 @@ _EXPORTS: dict[str, str] = {
     "PagedCache": "hf_kvspec.cache.paged",
     "BlockPool": "hf_kvspec.cache.block_pool",
     "OutOfBlocksError": "hf_kvspec.cache.block_pool",
+    # attention patches
+    "enable_gqa": "hf_kvspec.attention.gqa",
+    "enable_mla_absorb": "hf_kvspec.attention.mla",
+    "AttentionPatch": "hf_kvspec.attention.patch",
+    "UnsupportedMLAError": "hf_kvspec.attention.mla_weights",
 }
 
 __all__ = [*sorted(_EXPORTS), "__version__"]

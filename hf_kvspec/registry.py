@@ -13,6 +13,7 @@ import importlib
 _REGISTRARS: list[tuple[str, str, str]] = [
     ("hf_kvspec.heads.registration", "register_heads", "unregister_heads"),
     ("hf_kvspec.attention.paged", "register_paged_attention", "unregister_paged_attention"),
+    ("hf_kvspec.attention.gqa", "register_gqa", "unregister_gqa"),
 ]
 
 

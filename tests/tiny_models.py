@@ -60,3 +60,18 @@ def left_padded_batch(prompts: list[list[int]], pad_token_id: int = 0):
         ids[row, width - len(prompt):] = torch.tensor(prompt)
         mask[row, width - len(prompt):] = 1
     return ids, mask
+
+
+# --- YaRN-scaled DeepSeek configs (attention tests: softmax scale includes mscale²) --------------------------------
+# Not in TINY_KINDS on purpose: they repeat deepseek_v2/v3 with long-context RoPE. Values follow the released configs
+# (V3: factor 40, mscale = mscale_all_dim = 1.0; V2-Lite: mscale = mscale_all_dim = 0.707).
+_YARN = dict(rope_type="yarn", rope_theta=10000.0, factor=40.0, original_max_position_embeddings=128,
+             beta_fast=32.0, beta_slow=1.0)
+_KINDS["deepseek_v3_yarn"] = dict(
+    _KINDS["deepseek_v3"], max_position_embeddings=5120,
+    rope_parameters=dict(_YARN, mscale=1.0, mscale_all_dim=1.0),
+)
+_KINDS["deepseek_v2_yarn"] = dict(
+    _KINDS["deepseek_v2"], max_position_embeddings=5120,
+    rope_parameters=dict(_YARN, mscale=0.707, mscale_all_dim=0.707),
+)

@@ -1,0 +1,132 @@
+"""Grouped-query attention without ``repeat_kv``, as a transformers attention implementation.
+
+Boundary: one attention function (``kvspec_gqa``) plus its registration with ``AttentionInterface`` and
+``AttentionMaskInterface``, and ``enable_gqa(model)`` to switch a loaded model to it. It never sees a
+cache or a model; masks arrive in transformers' conventions (see ``masks.py``).
+
+Shape legend: ``B`` batch, ``Hq`` query heads, ``Hkv`` key/value heads, ``G = Hq / Hkv`` (GQA ratio),
+``T`` query tokens, ``S`` key tokens, ``D`` head dim, ``Dv`` value head dim.
+
+Why: eager and transformers' SDPA path on CPU copy K and V ``G`` times (``repeat_kv``) whenever a mask
+is present with more than one query token (padded prefill, chunked prefill, speculative verification
+with a tree mask): ``2·(G-1)·Hkv·S·D`` extra elements per layer and call. Instead:
+
+* short queries (``T <= FOLD_MAX_QUERY_TOKENS``: decode, draft verification, trees) fold the ``G``
+  query heads of a group onto their shared KV head, ``[B, Hq, T, D] -> [B, Hkv, G·T, D]``, and attend as
+  plain multi-head attention; only the mask is repeated, ``G·T·S`` booleans;
+* long queries (prefill chunks) call SDPA with ``enable_gqa=True``. On CPU that runs torch's flash
+  kernel, which indexes the shared head itself (measured: no K/V copy, with or without a mask). On
+  other devices a mask sends ``enable_gqa`` to the math kernel, so masked calls fold there too.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from hf_kvspec import _compat
+from hf_kvspec.attention.masks import explicit_mask, fold_mask, implicit_causal, normalize_mask
+from hf_kvspec.attention.patch import AttentionPatch
+
+ATTN_NAME = "kvspec_gqa"
+FOLD_MAX_QUERY_TOKENS = 64  # folded mask G·T·S bools stays far below one repeat_kv copy at T <= 64
+
+_saved_entries: dict[str, tuple] = {}  # what was registered under ATTN_NAME before register_gqa()
+
+
+def gqa_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,  # [B, Hq, T, D]
+    key: torch.Tensor,  # [B, Hkv, S, D]
+    value: torch.Tensor,  # [B, Hkv, S, Dv]
+    attention_mask: torch.Tensor | None,  # [B, 1|Hq, T, S] bool or additive float, or None
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:  # out [B, T, Hq, Dv]
+    """Attention function with transformers' ``AttentionInterface`` signature."""
+    _reject_unsupported(kwargs)
+    groups = _group_count(query, key)
+    q_len = query.shape[2]
+    causal = implicit_causal(attention_mask, q_len, getattr(module, "is_causal", True), is_causal)
+    if causal and key.shape[2] > q_len:
+        # transformers only drops the mask in that case when the extra keys are unused static-cache slots
+        key, value = key[:, :, :q_len], value[:, :, :q_len]
+    if groups > 1 and _should_fold(q_len, attention_mask, query.device):
+        out = _folded_attention(query, key, value, attention_mask, causal, groups, dropout, scaling)
+    else:
+        out = F.scaled_dot_product_attention(
+            query, key, value, attn_mask=normalize_mask(attention_mask), dropout_p=dropout,
+            is_causal=causal, scale=scaling, enable_gqa=groups > 1,
+        )
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _should_fold(q_len: int, mask: torch.Tensor | None, device: torch.device) -> bool:
+    return q_len <= FOLD_MAX_QUERY_TOKENS or (mask is not None and device.type != "cpu")
+
+
+def _folded_attention(query, key, value, mask, causal, groups, dropout, scaling) -> torch.Tensor:
+    """``[B, Hq, T, D]`` queries attended as ``[B, Hkv, G·T, D]``; returns ``[B, Hq, T, Dv]``."""
+    batch, q_heads, q_len, _ = query.shape
+    kv_heads = key.shape[1]
+    mask = explicit_mask(mask, q_len, key.shape[2], causal, query.device)
+    folded = query.reshape(batch, kv_heads, groups * q_len, query.shape[-1])
+    out = F.scaled_dot_product_attention(
+        folded, key, value, attn_mask=fold_mask(mask, groups, kv_heads), dropout_p=dropout, scale=scaling
+    )  # [B, Hkv, G·T, Dv]
+    return out.reshape(batch, q_heads, q_len, value.shape[-1])
+
+
+def _group_count(query: torch.Tensor, key: torch.Tensor) -> int:
+    q_heads, kv_heads = query.shape[1], key.shape[1]
+    if q_heads % kv_heads:
+        raise ValueError(f"{ATTN_NAME}: {q_heads} query heads are not a multiple of {kv_heads} key/value heads.")
+    return q_heads // kv_heads
+
+
+def _reject_unsupported(kwargs: dict) -> None:
+    if kwargs.get("softcap") is not None:
+        raise ValueError(f"{ATTN_NAME} does not support logit soft-capping (e.g. Gemma-2); use "
+                         "attn_implementation='eager' for such models.")
+    if kwargs.get("s_aux") is not None:
+        raise ValueError(f"{ATTN_NAME} does not support attention sinks (s_aux); use attn_implementation='eager'.")
+
+
+def register_gqa() -> None:
+    """Register ``kvspec_gqa`` with ``AttentionInterface`` and its mask with ``AttentionMaskInterface``.
+
+    The mask entry matters: without it transformers builds no mask at all for an unknown implementation
+    name and padding would be silently ignored. SDPA's bool masks (``None`` when ``is_causal`` suffices)
+    are exactly what this function consumes. Idempotent.
+    """
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    if _compat.attention_entries(ATTN_NAME) == (gqa_attention_forward, sdpa_mask):
+        return
+    _saved_entries.setdefault(ATTN_NAME, _compat.attention_entries(ATTN_NAME))
+    AttentionInterface.register(ATTN_NAME, gqa_attention_forward)
+    AttentionMaskInterface.register(ATTN_NAME, sdpa_mask)
+
+
+def unregister_gqa() -> None:
+    """Restore whatever was registered under ``kvspec_gqa`` before ``register_gqa()`` (usually nothing)."""
+    if ATTN_NAME in _saved_entries:
+        _compat.restore_attention_entries(ATTN_NAME, *_saved_entries.pop(ATTN_NAME))
+
+
+def enable_gqa(model) -> AttentionPatch:
+    """Switch a loaded transformers model to ``kvspec_gqa`` attention; ``.remove()`` switches back.
+
+    Registers the implementation if needed. Works for models that dispatch through
+    ``AttentionInterface`` (Llama, Qwen2, Mistral, SmolLM2 ... and DeepSeek's MLA, which has ``G = 1``).
+    """
+    register_gqa()
+    previous = _compat.attn_implementation(model.config)
+    model.set_attn_implementation(ATTN_NAME)
+    if _compat.attn_implementation(model.config) != ATTN_NAME:
+        raise ValueError(f"{type(model).__name__} cannot switch attention implementation after loading; load it "
+                         f"with attn_implementation={ATTN_NAME!r} after hf_kvspec.register().")
+    return AttentionPatch(ATTN_NAME, lambda: model.set_attn_implementation(previous), f"previous={previous!r}")
