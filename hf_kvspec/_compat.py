@@ -99,3 +99,26 @@ def restore_attention_entries(name: str, function: object | None, mask_function:
             mapping.pop(name, None)
         else:
             mapping[name] = value
+
+
+def generate_call_streamer():
+    """The ``streamer`` passed to the enclosing ``GenerationMixin.generate`` call, or ``None``.
+
+    transformers 5.24 ``generate(custom_generate=fn)`` puts the prompt into the streamer but does not pass the
+    streamer on to ``fn`` (``_extract_generation_mode_kwargs`` keeps only ``fn``'s extra parameters). The
+    speculative loop reads it back from ``generate``'s frame; tests/speculative check that streaming still works.
+    """
+    import inspect
+
+    from transformers.generation.utils import GenerationMixin
+
+    code = inspect.unwrap(GenerationMixin.generate).__code__
+    frame = inspect.currentframe()
+    try:
+        while frame is not None:
+            if frame.f_code is code:
+                return frame.f_locals.get("streamer")
+            frame = frame.f_back
+        return None
+    finally:
+        del frame  # break the reference cycle through the frame

@@ -1,0 +1,106 @@
+"""Automatic draft length: choose K each round from running acceptance and measured draft/verify cost.
+
+Boundary: pure bookkeeping over numbers the loop measures (times, accepted counts); no tensors, no models.
+
+Model (Leviathan et al. 2211.17192, Sec. 3.3): with i.i.d. acceptance a, a round drafting K tokens emits
+E[tau](K) = (1 - a^(K+1)) / (1 - a) tokens and costs K * t_draft + t_verify(K). The controller picks the K in
+0..max that maximises E[tau](K) / cost(K); K = 0 is a plain decoding step (cost t_verify(0)), so it falls back to
+plain decoding when speculation does not pay, and re-probes with a short draft every ``probe_every`` rounds so
+that a change in acceptance is noticed.
+
+Estimates (exponentially decayed so they follow the text):
+    a          maximum-likelihood estimate for a truncated geometric: accepted / (accepted + rejections).
+    t_draft    draft seconds per drafted token.
+    t_verify   a line t0 + slope * K fitted to (K, seconds) of past rounds; until two different K were seen
+               the slope is a prior of 0.15 * t0 per token (REFERENCE.md §8: verifying 4 tokens ~1.6x a decode
+               step on CPU).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class _Decayed:
+    """Exponentially decayed sums for running means and a least-squares line."""
+
+    decay: float
+    n: float = 0.0
+    sx: float = 0.0
+    sy: float = 0.0
+    sxx: float = 0.0
+    sxy: float = 0.0
+
+    def add(self, x: float, y: float) -> None:
+        d = self.decay
+        self.n, self.sx, self.sy = d * self.n + 1, d * self.sx + x, d * self.sy + y
+        self.sxx, self.sxy = d * self.sxx + x * x, d * self.sxy + x * y
+
+    def line(self, prior_slope_ratio: float) -> tuple[float, float]:
+        """(intercept, slope) of y over x; the slope falls back to a prior when x barely varied."""
+        mean_x, mean_y = self.sx / self.n, self.sy / self.n
+        var_x = self.sxx / self.n - mean_x**2
+        if var_x > 0.25:
+            slope = (self.sxy / self.n - mean_x * mean_y) / var_x
+            return max(mean_y - slope * mean_x, 1e-9), max(slope, 0.0)
+        intercept = mean_y / (1 + prior_slope_ratio * mean_x)
+        return intercept, prior_slope_ratio * intercept
+
+
+class AutoDraftLength:
+    def __init__(self, max_draft_tokens: int = 16, initial: int = 4, probe_every: int = 16, decay: float = 0.95,
+                 prior_slope_ratio: float = 0.15):
+        self.max_draft_tokens = max_draft_tokens
+        self.initial = min(initial, max_draft_tokens)
+        self.probe_every = probe_every
+        self.decay = decay
+        self.prior_slope_ratio = prior_slope_ratio
+        self.reset()
+
+    def reset(self) -> None:
+        self.accepted = 1.0  # prior: a = 0.5 worth one observation each way
+        self.rejected = 1.0
+        self.draft_time = _Decayed(self.decay)  # x = tokens drafted, y = seconds
+        self.verify_time = _Decayed(self.decay)  # x = K, y = seconds
+        self.since_probe = 0
+        self.last_choice = self.initial
+
+    @property
+    def alpha(self) -> float:
+        return self.accepted / (self.accepted + self.rejected)
+
+    def expected_tokens(self, k: int) -> float:
+        a = min(self.alpha, 1 - 1e-6)
+        return (1 - a ** (k + 1)) / (1 - a)
+
+    def rate(self, k: int) -> float:
+        """Expected tokens per second of a round with draft length k."""
+        t0, slope = self.verify_time.line(self.prior_slope_ratio)
+        per_token = self.draft_time.sy / self.draft_time.sx if self.draft_time.sx > 0 else 0.0
+        return self.expected_tokens(k) / (t0 + slope * k + per_token * k)
+
+    def choose(self) -> int:
+        if self.verify_time.n == 0:
+            choice = self.initial
+        else:
+            choice = max(range(self.max_draft_tokens + 1), key=self.rate)
+            if choice == 0:
+                self.since_probe += 1
+                if self.since_probe >= self.probe_every:  # re-measure acceptance now and then
+                    self.since_probe, choice = 0, max(1, min(self.last_choice, 2))
+            else:
+                self.since_probe = 0
+        self.last_choice = choice or self.last_choice
+        return choice
+
+    def update(self, outcome) -> None:
+        """Fold in a ``RoundOutcome`` (num_draft_tokens, num_accepted [B] of the ``alive`` rows, seconds)."""
+        k = outcome.num_draft_tokens
+        self.verify_time.add(k, outcome.verify_time_s)
+        if k == 0:
+            return
+        accepted = outcome.num_accepted[outcome.alive].tolist()
+        self.accepted = self.decay * self.accepted + sum(accepted)
+        self.rejected = self.decay * self.rejected + sum(n < k for n in accepted)
+        self.draft_time.add(k, outcome.draft_time_s)

@@ -1,0 +1,114 @@
+"""The drafter protocol: what the speculative loop asks of every assistant, and what it tells it back.
+
+Boundary: data classes exchanged between the loop and a drafter, plus the ``Drafter`` base class. A drafter
+owns its own state (a draft model's cache, an n-gram index, a head's features) and rolls it back itself; it
+never touches the target's cache.
+
+One round, seen from a drafter:
+    1. ``propose(ctx)``: return ``DraftProposal`` with N draft tokens per row. A chain leaves ``parents=None``;
+       a tree (Medusa/EAGLE) fills ``parents`` (topological order, ``-1`` = child of the last committed token),
+       and the loop verifies it with the same functions (``verify.py``).
+       ``probs=None`` declares the drafts deterministic (point mass: greedy draft, n-gram, top-k heads), which is
+       exact under sampling too; a stochastic drafter returns the processed distribution it sampled from,
+       computed with ``ctx.process`` so that temperature/top-k/top-p/penalties match the target's.
+    2. The loop verifies and calls ``observe(outcome)``: how many columns of ``ctx.tokens`` survive (the
+       drafter crops its own state to that), per-row accepted counts, and, when the drafter set
+       ``wants_hidden_states``, the target's last hidden states of the round (for feature-level drafters).
+
+Shapes: ``B`` rows, ``W`` buffer width, ``N`` draft tokens (nodes), ``V`` vocabulary, ``H`` hidden size.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from hf_kvspec.speculative.stats import AcceptanceStats
+
+if TYPE_CHECKING:
+    from hf_kvspec.speculative.buffer import TokenBuffer
+    from hf_kvspec.speculative.positions import History, PositionwiseProcessor
+
+
+@dataclass
+class DraftContext:
+    """What the loop shows a drafter before a round."""
+
+    buffer: TokenBuffer  # cache-aligned tokens/mask/positions [B, W]; last column not yet seen by the target
+    history: History  # rows as plain generate sees them (for processors and n-gram lookup)
+    num_draft_tokens: int  # N requested this round (already capped by the remaining length)
+    do_sample: bool
+    alive: torch.Tensor  # [B] bool rows still generating
+    processor: PositionwiseProcessor  # generate's logits processors, position by position
+
+    def process(self, logits: torch.Tensor, drafted: torch.Tensor, start: int = 0) -> torch.Tensor:
+        """Processed float32 scores [B, T, V] of draft ``logits`` [B, T, V]: position t follows each row's
+        history and ``drafted[:, :start + t]``, exactly as the target's scores at that position are processed."""
+        return self.processor(self.history, drafted, logits, start)
+
+
+@dataclass
+class DraftProposal:
+    tokens: torch.Tensor  # [B, N] draft token ids
+    probs: torch.Tensor | None = None  # [B, N, V] distribution each token was drawn from; None = point mass
+    parents: torch.Tensor | None = None  # [N] tree topology; None = chain
+    draft_forwards: int = 0  # model forward passes spent on this proposal (telemetry)
+
+
+@dataclass
+class RoundOutcome:
+    """What the loop tells a drafter after verifying its proposal."""
+
+    kept_width: int  # columns of the buffer that remain valid in every cache (the target now holds this many)
+    num_accepted: torch.Tensor  # [B] draft tokens each row kept
+    alive: torch.Tensor  # [B] bool rows that were generating in this round
+    num_draft_tokens: int  # N that was verified
+    draft_time_s: float
+    verify_time_s: float
+    target_hidden: torch.Tensor | None = None  # [B, N + 1, H] target's last hidden states over the round
+
+
+class Drafter(abc.ABC):
+    """Base class of every assistant passed as ``generate(..., assistant=...)``.
+
+    Subclasses implement ``propose``; they override ``begin``/``observe``/``end`` when they keep state.
+    ``num_draft_tokens`` is an int or ``"auto"`` (see ``autok.AutoDraftLength``).
+    """
+
+    #: the loop asks the target for hidden states and passes them in ``DraftContext``/``RoundOutcome``
+    wants_hidden_states: bool = False
+
+    def __init__(self, num_draft_tokens: int | str = 4, max_draft_tokens: int = 16):
+        from hf_kvspec.speculative.autok import AutoDraftLength
+
+        if num_draft_tokens != "auto" and (not isinstance(num_draft_tokens, int) or num_draft_tokens < 0):
+            raise ValueError(f"num_draft_tokens must be a non-negative int or 'auto', got {num_draft_tokens!r}")
+        self.num_draft_tokens = num_draft_tokens
+        self.auto = AutoDraftLength(max_draft_tokens=max_draft_tokens) if num_draft_tokens == "auto" else None
+        self.stats = AcceptanceStats()
+
+    def begin(self, target, buffer: TokenBuffer, target_hidden: torch.Tensor | None = None) -> None:
+        """Called once per ``generate`` call, after the target's prefill (``target_hidden`` [B, P, H] when
+        ``wants_hidden_states``). Resets per-call state."""
+        self.stats = AcceptanceStats()
+        if self.auto is not None:
+            self.auto.reset()
+
+    def draft_length(self) -> int:
+        """N for the next round (the loop caps it by the tokens left to generate)."""
+        return self.auto.choose() if self.auto is not None else self.num_draft_tokens
+
+    @abc.abstractmethod
+    def propose(self, ctx: DraftContext) -> DraftProposal:
+        """Draft ``ctx.num_draft_tokens`` tokens per row (``ctx.num_draft_tokens >= 1``)."""
+
+    def observe(self, outcome: RoundOutcome) -> None:
+        """Roll back own state to ``outcome.kept_width`` columns; update the auto draft length."""
+        if self.auto is not None:
+            self.auto.update(outcome)
+
+    def end(self) -> None:
+        """Called once when the ``generate`` call finishes: drop per-call state (caches)."""

@@ -1,0 +1,89 @@
+"""Drafting with a smaller causal LM that shares the target's tokenizer.
+
+Boundary: owns the draft model's cache (a fresh ``DynamicCache`` per ``generate`` call), kept aligned column by
+column with the loop's ``TokenBuffer`` (same holes, same positions) and cropped to the kept width after every
+round. Calls the draft model's ``forward`` directly, never its ``generate``: one catch-up forward over the
+columns it has not seen, then one single-token forward per further draft token.
+
+Under sampling the draft token is drawn from the draft's *processed* distribution (same processors as the
+target, each position with its own prefix) and that distribution is returned for rejection sampling; under
+greedy decoding the draft's argmax is a point mass (no probabilities needed).
+
+Shapes: ``B`` rows, ``W`` buffer width, ``K`` draft tokens, ``V`` target vocabulary.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+
+from hf_kvspec.speculative.drafters.base import DraftContext, Drafter, DraftProposal, RoundOutcome
+
+
+class DraftModelAssistant(Drafter):
+    """``DraftModelAssistant(draft_model, num_draft_tokens=4)``: chain drafts from a small same-tokenizer LM.
+
+    ``num_draft_tokens`` is K per round, or ``"auto"`` to adapt it from measured acceptance and cost.
+    """
+
+    def __init__(self, draft_model, num_draft_tokens: int | str = 4, max_draft_tokens: int = 16):
+        super().__init__(num_draft_tokens, max_draft_tokens)
+        if getattr(draft_model.config, "is_encoder_decoder", False):
+            raise ValueError("DraftModelAssistant needs a decoder-only causal LM as draft model.")
+        self.model = draft_model.eval()
+        self.cache = None
+        self.cached = 0  # buffer columns held by the draft cache
+        self.target_vocab = None
+
+    def begin(self, target, buffer, target_hidden=None) -> None:
+        super().begin(target, buffer, target_hidden)
+        self.cache = DynamicCache(config=self.model.config)
+        self.cached = 0
+        self.target_vocab = target.get_output_embeddings().out_features
+        draft_vocab = self.model.get_output_embeddings().out_features
+        if abs(draft_vocab - self.target_vocab) > 1024:  # padded vocabularies differ by a little, tokenizers a lot
+            raise ValueError(f"draft vocabulary ({draft_vocab}) does not match the target's ({self.target_vocab}); "
+                             "DraftModelAssistant needs a draft model with the same tokenizer.")
+
+    def propose(self, ctx: DraftContext) -> DraftProposal:
+        buffer, count = ctx.buffer, ctx.num_draft_tokens
+        logits = self._forward(buffer.tokens[:, self.cached:], buffer.attention_mask(1),
+                               buffer.positions[:, self.cached:])
+        self.cached = buffer.width
+        tokens, probs = [], []
+        for step in range(count):
+            drafted = torch.stack(tokens, dim=1) if tokens else buffer.tokens.new_zeros(buffer.tokens.shape[0], 0)
+            scores = ctx.process(logits, drafted, start=step)[:, 0]  # [B, V]
+            if ctx.do_sample:
+                dist = torch.softmax(scores, dim=-1)
+                tokens.append(torch.multinomial(dist, 1).squeeze(1))
+                probs.append(dist)
+            else:
+                tokens.append(scores.argmax(dim=-1))
+            if step + 1 < count:  # the last draft token is never fed: the target verifies it
+                logits = self._forward(tokens[-1][:, None], buffer.attention_mask(step + 2),
+                                       buffer.next_positions(step + 2)[:, -1:])
+                self.cached += 1
+        return DraftProposal(torch.stack(tokens, dim=1), torch.stack(probs, dim=1) if probs else None,
+                             draft_forwards=count)
+
+    def _forward(self, ids: torch.Tensor, attention_mask, positions: torch.Tensor) -> torch.Tensor:
+        """Draft logits [B, 1, V_target] of the last fed token."""
+        out = self.model(input_ids=ids, attention_mask=attention_mask, position_ids=positions, cache=self.cache,
+                         use_cache=True, logits_to_keep=1)
+        logits = out.logits
+        vocab = logits.shape[-1]
+        if vocab > self.target_vocab:
+            logits = logits[..., : self.target_vocab]
+        elif vocab < self.target_vocab:  # ids the draft cannot produce get probability 0
+            logits = torch.nn.functional.pad(logits, (0, self.target_vocab - vocab), value=float("-inf"))
+        return logits
+
+    def observe(self, outcome: RoundOutcome) -> None:
+        super().observe(outcome)
+        if self.cached > outcome.kept_width:
+            self.cache.crop(outcome.kept_width - self.cached)
+            self.cached = outcome.kept_width
+
+    def end(self) -> None:
+        self.cache = None

@@ -1,0 +1,302 @@
+"""The speculative decode loop, exposed as a ``custom_generate`` callable for ``model.generate``.
+
+Boundary: owns the target's forward passes and the caller's cache; asks a drafter for tokens, the verifier for
+decisions, the stopper where rows end. Knows nothing about how drafts are made.
+
+    model.generate(ids, custom_generate=hf_kvspec.speculative_generate, assistant=DraftModelAssistant(draft))
+
+Each round reads as named phases: draft -> verify (one target forward over the last token + N drafts, with
+``logits_to_keep``) -> accept (verifier on processed scores) -> stop (EOS, stop strings, max length, per row) ->
+roll back (crop the target cache to the longest kept path; see ``buffer.py`` for the holes of shorter rows) ->
+emit (history, streamer, scores, telemetry). Greedy output is token-identical to ``generate(do_sample=False)``;
+sampled output has exactly the distribution of ``generate(do_sample=True)`` (Leviathan et al. 2211.17192).
+
+Shapes: ``B`` rows, ``P`` prompt length, ``N`` draft tokens this round, ``V`` vocabulary, ``H`` hidden size.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+from hf_kvspec import _compat
+from hf_kvspec.speculative.buffer import TokenBuffer
+from hf_kvspec.speculative.drafters.base import DraftContext, Drafter, DraftProposal, RoundOutcome
+from hf_kvspec.speculative.positions import History, PositionwiseProcessor, PositionwiseStopper
+from hf_kvspec.speculative.stats import AcceptanceStats
+from hf_kvspec.speculative.verify import greedy_verify, is_chain, rejection_verify
+
+# generate's model kwargs the loop consumes itself (it computes masks and positions per round)
+_HANDLED_KWARGS = {"attention_mask", "position_ids", "cache", "use_cache", "logits_to_keep"}
+
+
+@dataclass
+class SpeculativeGenerateOutput(GenerateDecoderOnlyOutput):
+    """``GenerateDecoderOnlyOutput`` plus the call's ``AcceptanceStats``."""
+
+    acceptance: AcceptanceStats | None = None
+
+
+def speculative_generate(model, input_ids, logits_processor, stopping_criteria, generation_config,
+                         assistant: Drafter | None = None, synced_gpus: bool = False, **model_kwargs):
+    """``custom_generate`` entry point: ``model.generate(..., custom_generate=speculative_generate, assistant=A)``.
+
+    ``generate`` has already built the processors, stopping criteria, attention mask and cache; this function
+    replaces only its decoding loop. Returns what ``generate`` returns (a ``SpeculativeGenerateOutput`` with
+    ``.acceptance`` when ``return_dict_in_generate=True``).
+    """
+    if assistant is None:
+        raise ValueError("speculative_generate needs an assistant: generate(..., custom_generate="
+                         "hf_kvspec.speculative_generate, assistant=hf_kvspec.NgramAssistant()) or a "
+                         "DraftModelAssistant(draft_model).")
+    if synced_gpus:
+        raise NotImplementedError("speculative_generate does not support synced_gpus (DeepSpeed ZeRO-3 / FSDP).")
+    decoder = SpeculativeDecoder(model, assistant, logits_processor, stopping_criteria, generation_config,
+                                 streamer=_compat.generate_call_streamer())
+    return decoder.run(input_ids, model_kwargs)
+
+
+def check_cache(cache) -> None:
+    """Refuse a cache that cannot roll back rejected draft tokens."""
+    if cache is None:
+        return
+    if not getattr(cache, "is_croppable", False) or not callable(getattr(cache, "crop", None)):
+        raise ValueError(
+            f"{type(cache).__name__} cannot be cropped (is_croppable is False or crop() is missing): speculative "
+            "decoding must remove rejected draft tokens from the cache with cache.crop(-k). Pass a croppable "
+            "cache, e.g. cache=DynamicCache(config=model.config), hf_kvspec's PagedCache or QuantizedKVCache.")
+
+
+class SpeculativeDecoder:
+    """State of one speculative ``generate`` call."""
+
+    def __init__(self, model, assistant, logits_processor, stopping_criteria, generation_config, streamer=None):
+        _check_inputs(model, assistant, generation_config)
+        self.model = model
+        self.assistant = assistant
+        self.config = generation_config
+        self.do_sample = bool(generation_config.do_sample)
+        self.processor = PositionwiseProcessor(logits_processor)
+        self.stopper = PositionwiseStopper(stopping_criteria)
+        self.streamer = streamer
+        self.stats = AcceptanceStats()
+        pad = generation_config._pad_token_tensor if hasattr(generation_config, "_pad_token_tensor") else None
+        self.pad_token_id = int(pad) if pad is not None else int(generation_config.pad_token_id or 0)
+        self.record_scores = bool(generation_config.return_dict_in_generate and generation_config.output_scores)
+        self.record_logits = bool(generation_config.return_dict_in_generate and generation_config.output_logits)
+
+    # ------------------------------------------------------------------------------------------ driver
+    def run(self, input_ids: torch.Tensor, model_kwargs: dict):
+        self.cache = model_kwargs.get("cache")
+        check_cache(self.cache)
+        _check_kwargs(model_kwargs)
+        batch = input_ids.shape[0]
+        if batch > 1 and _has_sliding_layers(self.model.config):
+            raise NotImplementedError(
+                "speculative_generate with batch size > 1 does not support sliding-window attention layers: rows "
+                "that accept fewer draft tokens keep masked slots, which would shift each row's window. Run the "
+                "rows one at a time (batch size 1).")
+        self.alive = torch.ones(batch, dtype=torch.bool, device=input_ids.device)
+        self.buffer = TokenBuffer(input_ids, model_kwargs.get("attention_mask"), self.pad_token_id)
+        capacity = (self.config.max_length or input_ids.shape[1] + 256) + 2 * 16 + 2
+        self.history = History(input_ids, capacity, self.pad_token_id)
+        self.score_rows = [[] for _ in range(batch)] if self.record_scores else None
+        self.logit_rows = [[] for _ in range(batch)] if self.record_logits else None
+        self.streamed = input_ids.shape[1]
+        hidden = self._prefill(input_ids)
+        self.assistant.begin(self.model, self.buffer, target_hidden=hidden)
+        try:
+            while bool(self.alive.any()):
+                self._round()
+        finally:
+            self.assistant.end()
+        self._stream(final=True)
+        self.assistant.stats = self.stats
+        return self._output()
+
+    def _prefill(self, input_ids: torch.Tensor) -> torch.Tensor | None:
+        """Prompt forward (as generate's) and the first token; returns the prompt's hidden states if asked."""
+        past = self.cache.get_seq_length() if self.cache is not None else 0
+        out = self.model(input_ids=input_ids[:, past:], attention_mask=self.buffer.attention_mask(1),
+                         position_ids=self.buffer.positions[:, past:], cache=self.cache, use_cache=True,
+                         logits_to_keep=1, output_hidden_states=self.assistant.wants_hidden_states)
+        self.cache = out.cache if self.cache is None else self.cache
+        none = input_ids.new_zeros(input_ids.shape[0], 0)
+        scores = self.processor(self.history, none, out.logits[:, -1:])  # [B, 1, V]
+        token = self._pick(scores[:, 0])
+        counts = self.alive.long()
+        keep, stopped = self.stopper.keep(self.history, token[:, None], counts)
+        self._record(scores, out.logits[:, -1:], torch.zeros_like(scores[..., 0], dtype=torch.long), keep)
+        self.history.append(token[:, None], keep)
+        self.buffer.append_round(none, torch.zeros_like(counts), token, self.alive)
+        self.alive = self.alive & ~stopped
+        self._stream()
+        return out.hidden_states[-1] if self.assistant.wants_hidden_states else None
+
+    def _pick(self, scores: torch.Tensor) -> torch.Tensor:
+        # scores [B, V] -> [B], exactly as generate's _sample picks a token
+        if self.do_sample:
+            return torch.multinomial(torch.softmax(scores, dim=-1), 1).squeeze(1)
+        return scores.argmax(dim=-1)
+
+    # ------------------------------------------------------------------------------------------ one round
+    def _round(self) -> None:
+        alive = self.alive
+        start = time.perf_counter()
+        proposal = self._draft()
+        drafted = time.perf_counter()
+        num_draft = proposal.tokens.shape[1]
+        logits, hidden = self._target_forward(proposal.tokens)  # [B, N + 1, V]
+        scores = self.processor(self.history, proposal.tokens, logits)
+        result = self._verify(proposal, scores)
+        _sync(logits)
+        verified = time.perf_counter()
+
+        emitted = torch.cat([result.accepted_tokens(proposal.tokens), result.next_tokens[:, None]], dim=1)
+        emitted.scatter_(1, result.num_accepted[:, None], result.next_tokens[:, None])  # [B, N + 1]
+        keep, stopped = self.stopper.keep(self.history, emitted, (result.num_accepted + 1) * alive)
+        self._record(scores, logits, _score_positions(result), keep)
+        self.history.append(emitted, keep)
+
+        longest = int(result.num_accepted[alive].max())
+        self._roll_back(num_draft - longest)
+        self.buffer.append_round(result.accepted_tokens(proposal.tokens)[:, :longest], result.num_accepted,
+                                 result.next_tokens, alive)
+        self.alive = alive & ~stopped
+        self._telemetry(proposal, result, keep, alive, hidden, verified - start, drafted - start, verified - drafted)
+        self._stream()
+
+    def _draft(self) -> DraftProposal:
+        room = self._room()
+        num_draft = max(0, min(self.assistant.draft_length(), room - 1))
+        rows = self.buffer.tokens.shape[0]
+        if num_draft == 0:
+            return DraftProposal(self.buffer.tokens.new_zeros(rows, 0))
+        ctx = DraftContext(self.buffer, self.history, num_draft, self.do_sample, self.alive, self.processor)
+        proposal = self.assistant.propose(ctx)
+        if not is_chain(proposal.parents, proposal.tokens.shape[1]):
+            raise NotImplementedError("the loop verifies chains only: tree drafts need a tree attention mask and "
+                                      "Cache.select(); verify.py already handles a parents array")
+        if proposal.tokens.shape[1] > max(room - 1, 0):
+            proposal = DraftProposal(proposal.tokens[:, : room - 1],
+                                     None if proposal.probs is None else proposal.probs[:, : room - 1],
+                                     None, proposal.draft_forwards)
+        return proposal
+
+    def _room(self) -> int:
+        """Most tokens any live row may still add (max_length counts the prompt, as in generate)."""
+        if self.stopper.max_length is None:
+            return 1 << 30
+        return int((self.stopper.max_length - self.history.lengths[self.alive]).max())
+
+    def _target_forward(self, drafts: torch.Tensor):
+        """One forward over the last column + N drafts; returns logits [B, N + 1, V] and hidden [B, N + 1, H]."""
+        count = drafts.shape[1] + 1
+        out = self.model(input_ids=torch.cat([self.buffer.tokens[:, -1:], drafts], dim=1),
+                         attention_mask=self.buffer.attention_mask(count), position_ids=self.buffer.next_positions(count),
+                         cache=self.cache, use_cache=True, logits_to_keep=count,
+                         output_hidden_states=self.assistant.wants_hidden_states)
+        hidden = out.hidden_states[-1] if self.assistant.wants_hidden_states else None
+        return out.logits, hidden
+
+    def _verify(self, proposal: DraftProposal, scores: torch.Tensor):
+        if not self.do_sample:
+            return greedy_verify(proposal.tokens, scores.argmax(dim=-1), proposal.parents)
+        return rejection_verify(proposal.tokens, torch.softmax(scores, dim=-1), proposal.probs, proposal.parents)
+
+    def _roll_back(self, rejected: int) -> None:
+        if rejected > 0:
+            self.cache.crop(-rejected)
+
+    # ------------------------------------------------------------------------------------------ emit
+    def _record(self, scores, logits, positions, keep) -> None:
+        # scores/logits [B, T, V]; positions [B, T] which score row produced emitted token j; keep [B]
+        for store, values in ((self.score_rows, scores), (self.logit_rows, logits)):
+            if store is None:
+                continue
+            picked = values.gather(1, positions[..., None].expand(-1, -1, values.shape[-1]))
+            for row, count in enumerate(keep.tolist()):
+                store[row].append(picked[row, :count].float())
+
+    def _telemetry(self, proposal, result, keep, alive, hidden, _total, draft_s, verify_s) -> None:
+        num_draft = proposal.tokens.shape[1]
+        accepted = result.num_accepted[alive]
+        per_position = [int((accepted > j).sum()) for j in range(num_draft)]
+        self.stats.record_round(num_draft, int(alive.sum()), int(keep.sum()), per_position, draft_s, verify_s,
+                                proposal.draft_forwards)
+        self.assistant.observe(RoundOutcome(self.buffer.width - 1, result.num_accepted, alive, num_draft,
+                                            draft_s, verify_s, hidden))
+
+    def _stream(self, final: bool = False) -> None:
+        """Hand the streamer every column that all live rows have completed (only final tokens)."""
+        if self.streamer is None:
+            return
+        lengths = torch.where(self.alive, self.history.lengths, self.history.lengths.max())
+        ready = int(self.history.lengths.max() if final else lengths.min())
+        if ready > self.streamed:
+            ids = self.history.ids[:, self.streamed:ready]
+            if ids.shape[0] == 1:
+                self.streamer.put(ids[0].cpu())
+            else:
+                for col in range(ids.shape[1]):
+                    self.streamer.put(ids[:, col].cpu())
+            self.streamed = ready
+        if final:
+            self.streamer.end()
+
+    def _output(self):
+        sequences = self.history.sequences()
+        if not self.config.return_dict_in_generate:
+            return sequences
+        steps = sequences.shape[1] - self.history.prompt_len
+        return SpeculativeGenerateOutput(
+            sequences=sequences, scores=_per_step(self.score_rows, steps), logits=_per_step(self.logit_rows, steps),
+            cache=self.cache, acceptance=self.stats)
+
+
+def _score_positions(result) -> torch.Tensor:
+    # emitted token j of a chain was scored at position j (the root for j = 0, then after node j - 1)
+    nodes = result.accepted_nodes
+    return torch.cat([torch.zeros_like(nodes[:, :1]), torch.where(nodes >= 0, nodes + 1, 0)], dim=1)
+
+
+def _per_step(rows: list[list[torch.Tensor]] | None, steps: int):
+    """Per-row score lists -> generate's tuple of ``steps`` tensors [B, V] (zeros after a row stopped)."""
+    if rows is None:
+        return None
+    stacked = [torch.cat(chunks) for chunks in rows]  # each [T_row, V]
+    vocab = stacked[0].shape[-1]
+    out = torch.zeros(len(rows), steps, vocab, dtype=stacked[0].dtype, device=stacked[0].device)
+    for row, values in enumerate(stacked):
+        out[row, : values.shape[0]] = values
+    return tuple(out.unbind(1))
+
+
+def _sync(tensor: torch.Tensor) -> None:
+    if tensor.device.type == "cuda":  # honest timings for the auto draft length
+        torch.cuda.synchronize(tensor.device)
+
+
+def _has_sliding_layers(config) -> bool:
+    layer_types = getattr(config, "layer_types", None) or []
+    return any("sliding" in str(kind) for kind in layer_types)
+
+
+def _check_inputs(model, assistant, generation_config) -> None:
+    if not isinstance(assistant, Drafter):
+        raise TypeError(f"assistant must be an hf_kvspec Drafter (DraftModelAssistant, NgramAssistant, ...), got "
+                        f"{type(assistant).__name__}. For a bare draft model use DraftModelAssistant(model).")
+    if model.config.is_encoder_decoder:
+        raise NotImplementedError("speculative_generate supports decoder-only models.")
+    if (generation_config.num_beams or 1) > 1:
+        raise ValueError("speculative_generate does not do beam search; use num_beams=1.")
+
+
+def _check_kwargs(model_kwargs: dict) -> None:
+    unknown = {k for k, v in model_kwargs.items() if v is not None and k not in _HANDLED_KWARGS}
+    if unknown:
+        raise ValueError(f"speculative_generate does not forward these generate kwargs to the model: "
+                         f"{sorted(unknown)}. Pass input_ids/attention_mask (decoder-only text models).")

@@ -1,0 +1,173 @@
+"""Logits processors and stopping criteria applied at many positions at once, each with its own prefix.
+
+Boundary: wraps the ``LogitsProcessorList`` / ``StoppingCriteriaList`` that ``generate`` built, so that p and q are
+the same *processed* distributions plain ``generate`` would sample from, and stops land on the same token. Knows
+nothing about models or caches.
+
+Plain ``generate`` calls each processor with ``input_ids`` = left-padded prompt + tokens generated so far. A
+speculative round scores T positions per row in one go; position j of row i must see row i's history plus the
+first j draft tokens, never the draft tokens after it (path-dependent processors: repetition penalty, no-repeat
+n-gram, min-length, ...). Processors that look only at the scores are applied once to all positions; the others
+are called once per distinct prefix length, on the rows that share it (no padding, so a processor sees exactly
+the tensor ``generate`` would have given it).
+
+Shapes: ``B`` rows, ``T`` positions per row, ``V`` vocabulary, ``S`` history capacity.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import LogitsProcessorList, StoppingCriteriaList
+from transformers.generation import logits_process as lp
+from transformers.generation import stopping_criteria as sc
+
+# Processors whose output depends on the scores only (not on input_ids or its length).
+_SCORE_ONLY = tuple(
+    getattr(lp, name) for name in (
+        "TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper", "MinPLogitsWarper", "TopHLogitsWarper",
+        "TypicalLogitsWarper", "EpsilonLogitsWarper", "EtaLogitsWarper", "InfNanRemoveLogitsProcessor",
+        "LogitNormalization", "SuppressTokensLogitsProcessor",
+    ) if hasattr(lp, name)
+)
+
+
+class History:
+    """Every row as ``generate`` sees it: left-padded prompt followed by the tokens generated so far.
+
+    Row i is ``ids[i, :lengths[i]]``; rows grow at different speeds (per-row acceptance), and slots past a row's
+    length hold ``pad_token_id`` so that a finished row reads as ``generate``'s padded output.
+    """
+
+    def __init__(self, prompt: torch.Tensor, capacity: int, pad_token_id: int):
+        batch, prompt_len = prompt.shape  # [B, P]
+        self.ids = torch.full((batch, capacity), pad_token_id, dtype=torch.long, device=prompt.device)  # [B, S]
+        self.ids[:, :prompt_len] = prompt
+        self.lengths = torch.full((batch,), prompt_len, dtype=torch.long, device=prompt.device)  # [B]
+        self.prompt_len = prompt_len
+        self.pad_token_id = pad_token_id
+
+    def extended(self, tokens: torch.Tensor) -> torch.Tensor:
+        """``[B, max_len + T]``: each row followed by ``tokens`` [B, T] (not committed)."""
+        width = int(self.lengths.max()) + tokens.shape[1]
+        self._reserve(width)
+        ids = self.ids[:, :width].clone()
+        if tokens.shape[1]:
+            cols = self.lengths[:, None] + torch.arange(tokens.shape[1], device=ids.device)
+            ids.scatter_(1, cols, tokens)
+        return ids
+
+    def append(self, tokens: torch.Tensor, counts: torch.Tensor) -> None:
+        """Commit the first ``counts[i]`` of ``tokens[i]`` ([B, T]) to row i."""
+        if not tokens.shape[1]:
+            return
+        self._reserve(int(self.lengths.max()) + tokens.shape[1])
+        cols = self.lengths[:, None] + torch.arange(tokens.shape[1], device=tokens.device)  # [B, T]
+        keep = cols < (self.lengths + counts)[:, None]
+        self.ids.scatter_(1, cols, torch.where(keep, tokens, self.ids.gather(1, cols)))
+        self.lengths += counts
+
+    def sequences(self) -> torch.Tensor:
+        """``[B, max_len]`` the output of ``generate``: rows that stopped early are padded on the right."""
+        return self.ids[:, : int(self.lengths.max())]
+
+    def _reserve(self, width: int) -> None:
+        if width > self.ids.shape[1]:  # only when a caller appends past the planned capacity
+            grow = max(width - self.ids.shape[1], self.ids.shape[1])
+            extra = self.ids.new_full((self.ids.shape[0], grow), self.pad_token_id)
+            self.ids = torch.cat([self.ids, extra], dim=1)
+
+
+def _length_groups(prefix_lengths: torch.Tensor):
+    """Yield ``(length, flat_index)`` for each distinct value of ``prefix_lengths`` [B, T] (flattened)."""
+    flat = prefix_lengths.reshape(-1)
+    for length in torch.unique(flat).tolist():
+        yield length, (flat == length).nonzero().squeeze(1)
+
+
+class PositionwiseProcessor:
+    """``generate``'s logits processors applied at T positions per row, each with its own prefix."""
+
+    def __init__(self, processors: LogitsProcessorList | None):
+        self.processors = list(processors or [])
+        self.score_only = [isinstance(proc, _SCORE_ONLY) for proc in self.processors]
+
+    def __bool__(self) -> bool:
+        return bool(self.processors)
+
+    def __call__(self, history: History, draft_tokens: torch.Tensor, logits: torch.Tensor,
+                 start: int = 0) -> torch.Tensor:
+        """Processed float32 scores ``[B, T, V]`` for ``logits`` [B, T, V]; position t follows each row's history
+        and ``draft_tokens[:, :start + t]`` (extra columns of ``draft_tokens`` are ignored)."""
+        batch, positions, vocab = logits.shape
+        scores = logits.reshape(batch * positions, vocab).to(dtype=torch.float32, copy=True)
+        if not self.processors:
+            return scores.view(batch, positions, vocab)
+        prefixes = history.extended(draft_tokens[:, : start + positions - 1])  # [B, max_len + start + T - 1]
+        prefix_lengths = history.lengths[:, None] + start + torch.arange(positions, device=logits.device)  # [B, T]
+        groups = None
+        for proc, score_only in zip(self.processors, self.score_only):
+            if score_only:  # input_ids is not read; any [rows, *] tensor will do
+                scores = proc(prefixes[:, :1].repeat_interleave(positions, 0), scores)
+                continue
+            groups = groups if groups is not None else list(_length_groups(prefix_lengths))
+            out = scores.clone()
+            for length, index in groups:
+                out[index] = proc(prefixes[index // positions, :length], scores[index])
+            scores = out
+        return scores.view(batch, positions, vocab)
+
+
+class PositionwiseStopper:
+    """``generate``'s stopping criteria checked after each of T candidate tokens per row.
+
+    End-of-sequence ids and the length limit are evaluated natively (vectorised); any other criterion (stop
+    strings, max time, user criteria) is called once per distinct prefix length.
+    """
+
+    def __init__(self, criteria: StoppingCriteriaList | None):
+        self.eos = None
+        self.max_length = None
+        self.others = []
+        for criterion in criteria or []:
+            if isinstance(criterion, sc.EosTokenCriteria):
+                ids = criterion.eos_token_id.reshape(-1)
+                self.eos = ids if self.eos is None else torch.cat([self.eos, ids])
+            elif isinstance(criterion, sc.MaxLengthCriteria):
+                limit = criterion.max_length
+                self.max_length = limit if self.max_length is None else min(limit, self.max_length)
+            else:
+                self.others.append(criterion)
+
+    def keep(self, history: History, tokens: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """How many of the first ``counts`` of ``tokens`` [B, T] each row keeps, and whether the row stopped.
+
+        A row stops at the first token that ends it (EOS, stop string, ...) or that reaches ``max_length``;
+        that token is kept, the ones after it are dropped.
+        """
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        valid = positions[None, :] < counts[:, None]  # [B, T]
+        hits = torch.zeros_like(valid)
+        if self.eos is not None:
+            hits |= torch.isin(tokens, self.eos.to(tokens.device))
+        if self.others:
+            hits |= self._other_hits(history, tokens, counts)
+        if self.max_length is not None:
+            hits |= (history.lengths[:, None] + positions[None, :] + 1) >= self.max_length
+        hits &= valid
+        stopped = hits.any(dim=1)
+        first = hits.long().argmax(dim=1)  # index of the first hit (0 when none)
+        keep = torch.where(stopped, first + 1, counts)
+        return keep, stopped
+
+    def _other_hits(self, history: History, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        positions = tokens.shape[1]
+        prefixes = history.extended(tokens)
+        prefix_lengths = history.lengths[:, None] + torch.arange(1, positions + 1, device=tokens.device)
+        hits = torch.zeros(tokens.shape, dtype=torch.bool, device=tokens.device).view(-1)
+        for length, index in _length_groups(prefix_lengths):
+            ids = prefixes[index // positions, :length]
+            done = torch.zeros(index.shape[0], dtype=torch.bool, device=tokens.device)
+            for criterion in self.others:
+                done |= criterion(ids, None).to(tokens.device).reshape(-1).bool()
+            hits[index] = done
+        return hits.view(tokens.shape)
