@@ -35,6 +35,18 @@ _EXPORTS: dict[str, str] = {
     "enable_mla_absorb": "hf_kvspec.attention.mla",
     "AttentionPatch": "hf_kvspec.attention.patch",
     "UnsupportedMLAError": "hf_kvspec.attention.mla_weights",
+    # speculative decoding
+    "speculative_generate": "hf_kvspec.speculative.loop",
+    "SpeculativeGenerateOutput": "hf_kvspec.speculative.loop",
+    "enable": "hf_kvspec.speculative.enable",
+    "disable": "hf_kvspec.speculative.enable",
+    "Drafter": "hf_kvspec.speculative.drafters.base",
+    "DraftContext": "hf_kvspec.speculative.drafters.base",
+    "DraftProposal": "hf_kvspec.speculative.drafters.base",
+    "RoundOutcome": "hf_kvspec.speculative.drafters.base",
+    "DraftModelAssistant": "hf_kvspec.speculative.drafters.draft_model",
+    "NgramAssistant": "hf_kvspec.speculative.drafters.ngram",
+    "AcceptanceStats": "hf_kvspec.speculative.stats",
 }
 
 __all__ = [*sorted(_EXPORTS), "__version__"]
