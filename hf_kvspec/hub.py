@@ -1,0 +1,115 @@
+"""Model cards and Hub uploads for draft heads.
+
+Boundary: renders ``model_cards/draft_head.md`` (Jinja2, YAML metadata block) from a head's config and the measured
+numbers it is given, and uploads a head folder through ``huggingface_hub.HfApi`` (create_repo + upload_folder).
+Knows nothing about how the numbers were measured.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+TEMPLATE_DIR = Path(__file__).resolve().parent.parent / "model_cards"
+DEFAULT_TEMPLATE = "draft_head.md"
+_KIND = {"hf_kvspec_medusa": ("Medusa heads", "medusa", "arxiv:2401.10774"),
+         "hf_kvspec_eagle": ("EAGLE drafter", "eagle", "arxiv:2401.15077")}
+
+
+@dataclass
+class CardFields:
+    """What a card says beyond the config. Numbers are printed as given; nothing is invented when absent."""
+
+    repo_id: str | None = None
+    base_model_hub_id: str | None = None
+    datasets: list[str] = field(default_factory=list)
+    license: str = "apache-2.0"
+    command: str | None = None
+    data: list[dict] = field(default_factory=list)              # [{"source", "kind", "sequences", "tokens"}]
+    held_out: dict | None = None                                # acceptance.AcceptanceTally.as_dict() + prompts/source
+    final_train_metrics: dict | None = None
+    training_paragraph: str = ""
+    speedup: str | None = None
+    limitations: str = ""
+    parameters: int | None = None
+
+    @classmethod
+    def from_summary(cls, summary: dict, **overrides) -> "CardFields":
+        """From ``training_summary.json`` written by ``scripts/train_drafter.py``."""
+        args = summary.get("args", {})
+        paragraph = (f"{args.get('max_steps')} optimizer steps, batch {args.get('per_device_batch_size')} x "
+                     f"{args.get('gradient_accumulation_steps')} accumulation, AdamW lr {args.get('learning_rate')} "
+                     f"with {args.get('warmup_steps')} warm-up steps and cosine decay, labels from "
+                     f"`{args.get('label_source')}`, training softmax over {summary.get('training_vocab_size')} "
+                     f"tokens (inference uses the full vocabulary), {summary.get('train_seconds')} s wall clock.")
+        fields = dict(base_model_hub_id=summary.get("base_model_hub_id"), command=summary.get("command"),
+                      data=summary.get("data", []), held_out=summary.get("held_out"),
+                      final_train_metrics=summary.get("final_train_metrics"), training_paragraph=paragraph,
+                      datasets=[row["source"] for row in summary.get("data", [])],
+                      parameters=summary.get("trainable_parameters"))
+        return cls(**{**fields, **overrides})
+
+
+def card_metadata(config, fields: CardFields) -> dict:
+    """The YAML block: library, base_model, tags, datasets, license (+ model-index style results when measured)."""
+    title, tag, paper = _KIND.get(config.model_type, (config.model_type, config.model_type, None))
+    metadata = {"library_name": "hf_kvspec", "license": fields.license,
+                "base_model": fields.base_model_hub_id or config.base_model_name_or_path,
+                "tags": ["speculative-decoding", "draft-model", tag, "hf_kvspec"] + ([paper] if paper else []),
+                "datasets": fields.datasets}
+    if fields.held_out:
+        metadata["hf_kvspec_acceptance"] = {"tau": round(fields.held_out["tau"], 4),
+                                           "per_head_top1": [round(x, 4) for x in fields.held_out["per_head_top1"]]}
+    return metadata
+
+
+def render_model_card(config, fields: CardFields | None = None, template: str | Path | None = None) -> str:
+    """Render the card for a head config; ``template`` defaults to ``model_cards/draft_head.md``."""
+    import jinja2
+
+    fields = fields or CardFields()
+    path = Path(template) if template else TEMPLATE_DIR / DEFAULT_TEMPLATE
+    if not path.is_file():
+        raise FileNotFoundError(f"Model-card template {path} not found; pass template=<path to a .md template>.")
+    title, _, _ = _KIND.get(config.model_type, (config.model_type, None, None))
+    base_name = fields.base_model_hub_id or config.base_model_name_or_path
+    env = jinja2.Environment(undefined=jinja2.StrictUndefined, keep_trailing_newline=True)
+    return env.from_string(path.read_text()).render(
+        metadata_yaml=yaml.safe_dump(card_metadata(config, fields), sort_keys=False).strip(),
+        title=f"{title} for {base_name}", description=_description(config), base_model_name=base_name,
+        config=config, repo_id=fields.repo_id or "<your-repo-id>", **{
+            k: getattr(fields, k) for k in ("base_model_hub_id", "command", "data", "held_out", "speedup",
+                                            "final_train_metrics", "training_paragraph", "limitations")},
+        parameters=f"{fields.parameters:,}" if fields.parameters else "a few million",
+    )
+
+
+def _description(config) -> str:
+    if config.model_type == "hf_kvspec_medusa":
+        return (f"{config.num_heads} Medusa heads (Cai et al., arXiv 2401.10774), {config.num_layers} residual SiLU "
+                f"block(s) each, {'sharing the base LM head' if config.share_lm_head else 'each with its own LM head'}"
+                ". Head k reads the base model's last hidden state at position t and drafts token t+k+2 (the base "
+                "LM head itself gives t+1).")
+    fused = len(config.feature_layers) > 1
+    return ("An EAGLE drafter (Li et al., arXiv 2401.15077): one decoder layer of the base architecture over "
+            "fc(concat(token embedding, target feature)), sharing the base model's embedding and LM head. "
+            + (f"Features fuse base layers {config.feature_layers} (EAGLE-3, arXiv 2503.01840)." if fused else
+               "The feature is the base model's final (normalised) hidden state."))
+
+
+def push_head(head, repo_id: str, card: str, commit_message: str | None = None, private: bool | None = None,
+              token: str | bool | None = None, revision: str | None = None) -> str:
+    """Upload ``config.json``, ``model.safetensors`` and ``README.md`` (the card) in one commit; returns its URL."""
+    from huggingface_hub import HfApi
+
+    api = HfApi(token=token)
+    repo_id = api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model").repo_id
+    with tempfile.TemporaryDirectory() as folder:
+        head.save_pretrained(folder)
+        Path(folder, "README.md").write_text(card)
+        commit = api.upload_folder(repo_id=repo_id, folder_path=folder, repo_type="model", revision=revision,
+                                   commit_message=commit_message or f"Upload {type(head).__name__}")
+    return getattr(commit, "commit_url", str(commit))

@@ -1,0 +1,409 @@
+"""Train Medusa heads or an EAGLE drafter for a frozen target model (a straight ``Accelerator`` loop).
+
+The target is frozen and moved to the device (never prepared); only the head trains. Data: any ``datasets`` source
+(``--dataset`` repeatable: ``corpus:NAME``, local .txt/.jsonl, or a ``load_dataset`` name); rows with a prompt column
+become chat conversations, answered by the target itself with ``--self_distill`` (batched, cached on disk).
+Target features are computed online, or once up front with ``--cache_features`` (safetensors shards).
+
+Run (one CPU process; on GPUs drop ``--cpu`` and set ``--num_processes``):
+
+    accelerate launch --num_processes 1 --cpu scripts/train_drafter.py --head medusa --base_model bundled \
+        --dataset corpus:python-docs --dataset scripts/train_configs/chat_prompts_train.jsonl --self_distill \
+        --cache_features --max_steps 600 --output_dir runs/medusa
+
+    python scripts/train_drafter.py --config scripts/train_configs/smollm2_eagle.yaml   # YAML, CLI overrides it
+    python scripts/train_drafter.py --config ... --resume_from_checkpoint latest         # continue after a crash
+
+Outputs in ``--output_dir``: ``config.json`` + ``model.safetensors`` (the head only), ``README.md`` (model card),
+``training_summary.json``, ``train_log.jsonl``, ``checkpoints/step-N`` (``accelerator.save_state``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import yaml
+from accelerate import Accelerator
+from accelerate.utils import DataLoaderConfiguration, GradientAccumulationPlugin, set_seed
+from tqdm.auto import tqdm
+from transformers import HfArgumentParser, get_cosine_schedule_with_warmup
+
+from hf_kvspec.heads import data as data_lib
+from hf_kvspec.heads.configuration import EagleConfig, MedusaConfig
+from hf_kvspec.heads.distill import DistillSettings, self_distill
+from hf_kvspec.heads.evaluation import evaluate_head
+from hf_kvspec.heads.features import CachedFeatures, collate, extract_to_cache, target_features
+from hf_kvspec.heads.modeling_eagle import EagleDrafter
+from hf_kvspec.heads.modeling_medusa import MedusaHeads
+from hf_kvspec.heads.objectives import TrainingObjective, TrainingVocabulary
+from hf_kvspec.heads.pairing import base_model_fingerprint
+
+
+@dataclass
+class ModelArguments:
+    head: str = field(metadata={"help": "medusa or eagle", "choices": ["medusa", "eagle"]})
+    base_model: str = field(default="bundled", metadata={"help": "bundled[:NAME], a local path or a Hub id"})
+    base_model_hub_id: str | None = field(default=None, metadata={"help": "base_model in the card's metadata"})
+    num_heads: int = field(default=4, metadata={"help": "Medusa heads (draft depth)"})
+    num_layers: int = field(default=1, metadata={"help": "residual blocks per Medusa head"})
+    medusa_own_lm_head: bool = field(default=False, metadata={"help": "give each Medusa head its own [V, H] head"})
+    feature_layers: list[int] = field(default_factory=lambda: [-1],
+                                      metadata={"help": "EAGLE feature layers (several = EAGLE-3 fusion)"})
+
+
+@dataclass
+class DataArguments:
+    dataset: list[str] = field(default_factory=list, metadata={"help": "source spec, repeatable"})
+    dataset_split: str = "train"
+    text_column: str = "text"
+    prompt_column: str = "prompt"
+    response_column: str = "response"
+    self_distill: bool = field(default=False, metadata={"help": "answer prompt rows with the target itself"})
+    distill_max_new_tokens: int = 128
+    distill_batch_size: int = 16
+    max_length: int = 256
+    max_train_tokens: int | None = field(default=None, metadata={"help": "token budget per text source"})
+    label_source: str = field(default="target", metadata={"choices": ["target", "data"]})
+    cache_features: bool = field(default=False, metadata={"help": "pre-extract target features to shards"})
+    feature_batch_size: int = 8
+    data_cache_dir: str | None = field(default=None, metadata={"help": "default ~/.cache/hf_kvspec/drafter_data"})
+    eval_prompts: str | None = field(default=None, metadata={"help": "held-out prompts (JSONL/text) for the card"})
+
+
+@dataclass
+class TrainArguments:
+    output_dir: str = "runs/drafter"
+    max_steps: int = 200
+    per_device_batch_size: int = 8
+    gradient_accumulation_steps: int = 1
+    learning_rate: float = 1e-3
+    weight_decay: float = 0.0
+    warmup_steps: int = 20
+    max_grad_norm: float = 1.0
+    mixed_precision: str = field(default="no", metadata={"choices": ["no", "bf16", "fp16"]})
+    seed: int = 0
+    save_steps: int = 100
+    resume_from_checkpoint: str | None = field(default=None, metadata={"help": "a checkpoint dir or 'latest'"})
+    logging_steps: int = 10
+    unroll_steps: int = field(default=1, metadata={"help": "EAGLE training-time-test steps"})
+    feature_loss_weight: float = 1.0
+    loss_decay: float = field(default=0.8, metadata={"help": "weight decay**k of head/step k"})
+    train_vocab: str = field(default="labels", metadata={"choices": ["labels", "full"],
+                                                         "help": "softmax over label tokens only (training only)"})
+    num_threads: int | None = None
+    push_to_hub: bool = False
+    hub_model_id: str | None = None
+    hub_private: bool = False
+    simulate_crash_after_step: int | None = field(default=None, metadata={"help": "testing: SIGKILL after step"})
+
+
+def parse_args(argv: list[str]) -> tuple[ModelArguments, DataArguments, TrainArguments]:
+    """CLI parsed into the three dataclasses; ``--config FILE.yaml`` supplies defaults that the CLI overrides."""
+    if "--config" in argv:
+        at = argv.index("--config")
+        config = yaml.safe_load(Path(argv[at + 1]).read_text()) or {}
+        argv = _yaml_to_argv(config) + argv[:at] + argv[at + 2:]
+    parser = HfArgumentParser((ModelArguments, DataArguments, TrainArguments))
+    return parser.parse_args_into_dataclasses(args=argv)
+
+
+def _yaml_to_argv(config: dict) -> list[str]:
+    argv = []
+    for key, value in config.items():
+        values = value if isinstance(value, list) else [value]  # list fields take several values after one flag
+        argv += [f"--{key}", *map(str, values)]
+    return argv
+
+
+def load_target(spec: str):
+    """(model, tokenizer, recorded name, hub id) for ``bundled[:NAME]`` or a path/Hub id. Frozen, eval mode."""
+    if spec == "bundled" or spec.startswith("bundled:"):
+        from hf_kvspec.models import DEFAULT_MODEL, load_bundled_model
+
+        name = spec.partition(":")[2] or DEFAULT_MODEL
+        model, tokenizer = load_bundled_model(name)
+        hub_id = "HuggingFaceTB/SmolLM2-135M-Instruct" if name == "smollm2-135m-instruct" else None
+        recorded = f"bundled:{name}"
+    else:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        model, tokenizer = AutoModelForCausalLM.from_pretrained(spec), AutoTokenizer.from_pretrained(spec)
+        recorded = hub_id = spec
+    return model.eval().requires_grad_(False), tokenizer, recorded, hub_id
+
+
+def read_prompts(path: str, column: str = "prompt") -> list[str]:
+    text = Path(path).read_text()
+    if path.endswith((".jsonl", ".json")):
+        return [json.loads(line)[column] for line in text.splitlines() if line.strip()]
+    return [line for line in text.splitlines() if line.strip()]
+
+
+def build_examples(d: DataArguments, target, tokenizer, cache_root: Path) -> tuple[list[dict], list[dict]]:
+    """(examples, recipe): every source turned into token sequences; recipe says what went in, for the card."""
+    columns = data_lib.Columns(d.text_column, d.prompt_column, d.response_column)
+    examples, recipe = [], []
+    for spec in d.dataset:
+        texts, pairs = data_lib.split_rows(data_lib.load_source(spec, d.dataset_split), columns)
+        found = data_lib.cap_tokens(data_lib.text_windows(tokenizer, texts, d.max_length), d.max_train_tokens)
+        found += conversations(d, target, tokenizer, pairs, cache_root)
+        examples += found
+        recipe.append({"source": spec, "sequences": len(found), "tokens": sum(len(e["input_ids"]) for e in found),
+                       "kind": "chat, self-distilled" if pairs and d.self_distill else ("chat" if pairs else "text")})
+    if not examples:
+        raise ValueError("No training examples: pass --dataset (e.g. corpus:python-docs or a .jsonl file).")
+    return examples, recipe
+
+
+def conversations(d: DataArguments, target, tokenizer, pairs, cache_root: Path) -> list[dict]:
+    """Prompt rows as chat examples: the dataset's responses, or the target's own with ``--self_distill``."""
+    if not pairs:
+        return []
+    from hf_kvspec.heads.distill import Conversation, chat_prompt_ids
+
+    if d.self_distill:
+        convs = self_distill(target, tokenizer, [p for p, _ in pairs], cache_root / "self_distill.jsonl",
+                             base_model_fingerprint(target), distill_settings(d))
+    elif any(r is None for _, r in pairs):
+        raise ValueError(f"Rows with a {d.prompt_column!r} column need a {d.response_column!r} column, or pass "
+                         "--self_distill to let the target answer them.")
+    else:
+        convs = [Conversation(chat_prompt_ids(tokenizer, p), tokenizer(r, add_special_tokens=False)["input_ids"])
+                 for p, r in pairs]
+    return [data_lib.conversation_example(c, d.max_length) for c in convs]
+
+
+def distill_settings(d: DataArguments) -> DistillSettings:
+    return DistillSettings(max_new_tokens=d.distill_max_new_tokens, batch_size=d.distill_batch_size)
+
+
+def build_head(m: ModelArguments, target, recorded_name: str):
+    if m.head == "medusa":
+        config = MedusaConfig.for_base_model(target, recorded_name, num_heads=m.num_heads, num_layers=m.num_layers,
+                                             share_lm_head=not m.medusa_own_lm_head)
+        return MedusaHeads(config).attach(target)
+    return EagleDrafter(EagleConfig.for_base_model(target, recorded_name, feature_layers=m.feature_layers)).attach(
+        target)
+
+
+def feature_layers(m: ModelArguments) -> list[int]:
+    return [-1] if m.head == "medusa" else list(m.feature_layers)
+
+
+def training_set(m, d, target, examples, cache_root: Path, accelerator):
+    """Cached feature shards (``--cache_features``) or the raw examples (features computed in the loop)."""
+    if not d.cache_features:
+        return examples
+    meta = {"fingerprint": base_model_fingerprint(target), "examples_hash": _examples_hash(examples)}
+    directory = cache_root / "features" / f"{meta['examples_hash'][:16]}-{'_'.join(map(str, feature_layers(m)))}"
+    with accelerator.main_process_first():
+        if accelerator.is_main_process:
+            extract_to_cache(target, examples, directory, feature_layers(m), meta, d.feature_batch_size)
+    return CachedFeatures(directory, expected_meta=meta)
+
+
+def _examples_hash(examples: list[dict]) -> str:
+    import hashlib
+
+    digest = hashlib.sha256()
+    for example in examples:
+        digest.update(json.dumps([example["input_ids"], example["prompt_length"]]).encode())
+    return digest.hexdigest()
+
+
+def training_vocabulary(t: TrainArguments, dataset, vocab_size: int) -> TrainingVocabulary:
+    """Full vocabulary, or the tokens that occur in the data / as target predictions (see objectives.py)."""
+    if t.train_vocab == "full":
+        return TrainingVocabulary(vocab_size)
+    seen = set()
+    for item in dataset:
+        seen.update(torch.as_tensor(item["input_ids"]).tolist())
+        if "target_tokens" in item:
+            seen.update(item["target_tokens"].tolist())
+    return TrainingVocabulary(vocab_size, torch.tensor(sorted(seen)))
+
+
+def with_features(batch: dict, target, layers: list[int], device) -> dict:
+    """Move a batch to the device, computing target features online when they were not pre-extracted."""
+    batch = {k: v.to(device) for k, v in batch.items()}
+    if "features" not in batch:
+        batch["features"], batch["target_tokens"] = target_features(target, batch["input_ids"], batch["valid"],
+                                                                    layers)
+    return batch
+
+
+def find_checkpoint(output_dir: Path, spec: str) -> Path | None:
+    if spec != "latest":
+        return Path(spec)
+    found = sorted((output_dir / "checkpoints").glob("step-*"), key=lambda p: int(p.name.split("-")[1]))
+    return found[-1] if found else None
+
+
+def save_checkpoint(accelerator, output_dir: Path, step: int) -> None:
+    directory = output_dir / "checkpoints" / f"step-{step}"
+    accelerator.save_state(str(directory))
+    if accelerator.is_main_process:
+        (directory / "trainer_state.json").write_text(json.dumps({"completed_steps": step}))
+
+
+def train(m, d, t, accelerator, objective, dataset, target) -> dict:
+    """The loop: accumulate, clip, step, schedule, log, checkpoint. Returns the last logged metrics."""
+    loader = torch.utils.data.DataLoader(dataset, batch_size=t.per_device_batch_size, shuffle=True,
+                                         collate_fn=collate)
+    optimizer = torch.optim.AdamW([p for p in objective.parameters() if p.requires_grad], lr=t.learning_rate,
+                                  weight_decay=t.weight_decay)
+    scheduler = get_cosine_schedule_with_warmup(optimizer, t.warmup_steps, t.max_steps * accelerator.num_processes)
+    objective, optimizer, loader, scheduler = accelerator.prepare(objective, optimizer, loader, scheduler)
+    target.to(accelerator.device)  # frozen: moved, not prepared (DDP refuses modules without trainable parameters)
+    output_dir, completed = Path(t.output_dir), 0
+    checkpoint = find_checkpoint(output_dir, t.resume_from_checkpoint) if t.resume_from_checkpoint else None
+    if checkpoint is not None:
+        accelerator.load_state(str(checkpoint))
+        completed = json.loads((checkpoint / "trainer_state.json").read_text())["completed_steps"]
+        accelerator.print(f"resumed from {checkpoint} at step {completed}")
+    micro = completed * t.gradient_accumulation_steps
+    epoch, skip = divmod(micro, len(loader))
+    bar = tqdm(total=t.max_steps, initial=completed, desc=f"train {m.head}", disable=not accelerator.is_main_process)
+    window = _Window()
+    while completed < t.max_steps:
+        loader.set_epoch(epoch)
+        batches = accelerator.skip_first_batches(loader, skip) if skip else loader
+        for batch in batches:
+            batch = with_features(batch, target, feature_layers(m), accelerator.device)
+            with accelerator.accumulate(objective), accelerator.autocast():
+                out = objective(batch)
+                accelerator.backward(out.loss)
+                if accelerator.sync_gradients:
+                    accelerator.clip_grad_norm_(objective.parameters(), t.max_grad_norm)
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad()
+            window.add(out)
+            if not accelerator.sync_gradients:
+                continue
+            completed += 1
+            bar.update(1)
+            bar.set_postfix(window.postfix())
+            if completed % t.logging_steps == 0 or completed == t.max_steps:
+                _log(accelerator, output_dir, completed, window, scheduler)
+            if completed % t.save_steps == 0 or completed == t.max_steps:
+                save_checkpoint(accelerator, output_dir, completed)
+            if completed == t.simulate_crash_after_step:
+                os.kill(os.getpid(), signal.SIGKILL)  # testing aid: die like a killed job, no cleanup
+            if completed >= t.max_steps:
+                break
+        epoch, skip = epoch + 1, 0
+    bar.close()
+    return window.last
+
+
+class _Window:
+    """Running loss / per-head top-1 since the last log line."""
+
+    def __init__(self):
+        self.reset()
+        self.last: dict = {}
+
+    def reset(self):
+        self.loss, self.batches, self.correct, self.counts = 0.0, 0, None, None
+
+    def add(self, out):
+        self.loss += out.loss.item()
+        self.batches += 1
+        self.correct = out.correct.float() if self.correct is None else self.correct + out.correct.float()
+        self.counts = out.counts.float() if self.counts is None else self.counts + out.counts.float()
+
+    def metrics(self) -> dict:
+        top1 = (self.correct / self.counts.clamp(min=1)).tolist() if self.counts is not None else []
+        return {"loss": self.loss / max(self.batches, 1), "top1": [round(x, 4) for x in top1]}
+
+    def postfix(self) -> dict:
+        metrics = self.metrics()
+        return {"loss": f"{metrics['loss']:.3f}", "top1": "/".join(f"{x:.2f}" for x in metrics["top1"])}
+
+
+def _log(accelerator, output_dir: Path, step: int, window: _Window, scheduler) -> None:
+    window.last = {"step": step, **window.metrics(), "lr": scheduler.get_last_lr()[0]}
+    window.reset()
+    if accelerator.is_main_process:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        with (output_dir / "train_log.jsonl").open("a") as sink:
+            sink.write(json.dumps(window.last) + "\n")
+
+
+def held_out(d: DataArguments, head, target, tokenizer, cache_root: Path) -> dict | None:
+    """Per-head top-1 and chain tau on the target's greedy answers to ``--eval_prompts``."""
+    if not d.eval_prompts:
+        return None
+    prompts = read_prompts(d.eval_prompts, d.prompt_column)
+    convs = self_distill(target, tokenizer, prompts, cache_root / "self_distill.jsonl",
+                         base_model_fingerprint(target), distill_settings(d))
+    result = evaluate_head(head, target, convs).as_dict()
+    return {**result, "prompts": len(prompts), "source": d.eval_prompts}
+
+
+def finish(m, d, t, accelerator, objective, target, tokenizer, summary: dict, cache_root: Path) -> None:
+    """Save the head, evaluate it on held-out prompts, write the card and summary, push if asked."""
+    from hf_kvspec import hub
+
+    head = accelerator.unwrap_model(objective).head
+    output_dir = Path(t.output_dir)
+    head.save_pretrained(output_dir)
+    summary["held_out"] = held_out(d, head.eval(), target, tokenizer, cache_root)
+    (output_dir / "training_summary.json").write_text(json.dumps(summary, indent=2))
+    card = hub.render_model_card(head.config, hub.CardFields.from_summary(summary))
+    (output_dir / "README.md").write_text(card)
+    if t.push_to_hub:
+        head.push_to_hub(t.hub_model_id or output_dir.name, card=card, private=t.hub_private)
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    m, d, t = parse_args(argv)
+    if t.num_threads:
+        torch.set_num_threads(t.num_threads)
+    accelerator = Accelerator(
+        mixed_precision=t.mixed_precision,
+        gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=t.gradient_accumulation_steps,
+                                                                sync_with_dataloader=False),
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
+    )
+    set_seed(t.seed)
+    started = time.time()
+    target, tokenizer, recorded_name, hub_id = load_target(m.base_model)
+    cache_root = Path(d.data_cache_dir) if d.data_cache_dir else _default_cache()
+    with accelerator.main_process_first():
+        examples, recipe = build_examples(d, target, tokenizer, cache_root)
+    dataset = training_set(m, d, target, examples, cache_root, accelerator)
+    head = build_head(m, target, recorded_name)
+    vocab = training_vocabulary(t, dataset, target.config.vocab_size)
+    objective = TrainingObjective(head, vocab, d.label_source, t.unroll_steps, t.feature_loss_weight, t.loss_decay)
+    last = train(m, d, t, accelerator, objective, dataset, target)
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        summary = {"command": "accelerate launch scripts/train_drafter.py " + shlex.join(argv),
+                   "args": {**asdict(m), **asdict(d), **asdict(t)}, "base_model_hub_id": m.base_model_hub_id or hub_id,
+                   "data": recipe, "training_vocab_size": len(vocab.vocab_ids) if vocab.vocab_ids is not None else
+                   target.config.vocab_size, "final_train_metrics": last,
+                   "train_seconds": round(time.time() - started, 1), "trainable_parameters":
+                   sum(p.numel() for p in head.parameters())}
+        finish(m, d, t, accelerator, objective, target, tokenizer, summary, cache_root)
+    accelerator.end_training()
+
+
+def _default_cache() -> Path:
+    from hf_kvspec.models import cache_dir
+
+    return cache_dir() / "drafter_data"
+
+
+if __name__ == "__main__":
+    main()
