@@ -103,7 +103,8 @@ def _absorbed_attention(module, plan: MLALayerPlan, q_nope, q_rot, c_kv, k_rot, 
     latent, rope_key = c_kv[:, 0], k_rot[:, 0]  # [B, S, C], [B, S, R]
     q_lat = torch.einsum("bhtn,hnc->bhtc", q_nope, plan.w_uk)
     scores = torch.einsum("bhtc,bsc->bhts", q_lat, latent) + torch.einsum("bhtr,bsr->bhts", q_rot, rope_key)
-    scores = scores.float() * module.scaling  # softmax in fp32, as eager attention does
+    # softmax in at least fp32, as eager attention does (fp64 stays fp64)
+    scores = scores.to(torch.promote_types(scores.dtype, torch.float32)) * module.scaling
     mask = additive(explicit_mask(mask, q_len, latent.shape[1], causal, scores.device), scores.dtype)
     if mask is not None:
         scores = scores + mask

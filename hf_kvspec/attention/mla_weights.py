@@ -53,7 +53,9 @@ class MLADims:
 
         absorbed:     T·H·N·C (fold W_UK into q) + T·S·H·(C+R) (scores) + T·S·H·C (values) + T·H·C·V (W_UV)
         decompressed: S·C·H·(N+V) (expand every cached token) + T·S·H·(N+R) + T·S·H·V
-        With DeepSeek-V3's sizes and T = S (an empty cache) absorbing wins up to T ≈ 170 tokens.
+        The W_UK/W_UV terms cancel when T = S, so an empty cache always decompresses; absorbing wins when
+        ``T·S·(2C-N-V) <= (S-T)·C·(N+V)``, i.e. ``1/T - 1/S >= (2C-N-V) / (C·(N+V))``: with DeepSeek-V3's
+        sizes up to T ≈ 170 new tokens on a long cache (decode, draft verification, small prefill chunks).
         """
         h, c, r, n, v = self.heads, self.latent, self.rope, self.nope, self.value
         absorbed = q_len * h * n * c + q_len * kv_len * h * (2 * c + r) + q_len * h * c * v
