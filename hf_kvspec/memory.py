@@ -143,6 +143,8 @@ def kv_cache_bytes(
     bits: int | None = None,
     group_size: int = 64,
     residual_length: int = 0,
+    *,
+    scale_layout: str = "group",
 ) -> int:
     """Bytes of KV cache for ``batch_size`` sequences of ``seq_len`` tokens under ``config``.
 
@@ -153,10 +155,19 @@ def kv_cache_bytes(
         dtype: storage dtype of full-precision entries (and of the residual window when quantized).
         bits: code bits for group-quantized storage (2, 4 or 8), or ``None`` for full precision.
         group_size: elements per quantization group (one fp16 scale + one fp16 zero each).
-        residual_length: newest tokens kept in ``dtype`` (a multiple of ``group_size``).
+        residual_length: newest tokens kept in ``dtype`` (a multiple of ``group_size`` for ``"group"``).
+        scale_layout: where quantization scales live (``bits`` given):
+            ``"group"``  fp16 scale + fp16 zero per group of ``group_size`` elements (KIVI; the default);
+            ``"token"``  symmetric, one fp16 scale per token and K/V row, no zero (int8 per token);
+                         tokens leave the residual window one at a time;
+            ``"head"``   one fp32 scale per sequence and K/V row, set once (fp8 with per-head scales);
+                         tokens leave the residual window one at a time.
+            A K/V row is one kv head of K or of V (``2 · H_kv`` rows per token; 2 for MLA).
     """
     if seq_len < 0 or batch_size < 0:
         raise ValueError("seq_len and batch_size must be non-negative.")
+    if bits is not None and scale_layout != "group":
+        return _per_row_scaled_bytes(config, seq_len, dtype, bits, residual_length, scale_layout) * batch_size
     if bits is not None:
         check_quant_params(bits, group_size, residual_length)
     elem_bytes = dtype_bytes(dtype)
@@ -170,6 +181,28 @@ def kv_cache_bytes(
         total += _quantized_bits(quantized * layer.elements_per_token, bits, group_size) // 8
         total += residual * layer.elements_per_token * elem_bytes
     return total * batch_size
+
+
+_ROW_SCALE_BYTES = {"token": 2, "head": 4}  # fp16 per-token scale; fp32 per-head scale
+
+
+def _per_row_scaled_bytes(config, seq_len: int, dtype: torch.dtype, bits: int, residual_length: int,
+                          layout: str) -> int:
+    """One sequence under ``scale_layout="token"`` or ``"head"`` (see ``kv_cache_bytes``)."""
+    if layout not in _ROW_SCALE_BYTES:
+        raise ValueError(f"scale_layout={layout!r} is unknown; use 'group', 'token' or 'head'.")
+    if bits != 8 or residual_length < 0:
+        raise ValueError(f"scale_layout={layout!r} stores 8-bit codes with residual_length >= 0; "
+                         f"got bits={bits}, residual_length={residual_length}.")
+    rows = 2 if is_mla(config) else 2 * num_kv_heads(config)
+    total = 0
+    for layer in layer_kv_specs(config):
+        tokens = stored_tokens(seq_len, layer.window)
+        quantized, residual = quantized_token_split(tokens, 1, residual_length)
+        total += quantized * layer.elements_per_token + residual * layer.elements_per_token * dtype_bytes(dtype)
+        scaled_tokens = quantized if layout == "token" else min(tokens, 1)  # per-head: one scale set per row
+        total += scaled_tokens * rows * _ROW_SCALE_BYTES[layout]
+    return total
 
 
 def kv_bytes_per_token(config, dtype: torch.dtype = torch.bfloat16) -> int:

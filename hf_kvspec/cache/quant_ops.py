@@ -1,0 +1,174 @@
+"""Reference quantize / dequantize / bit-packing functions for KV caches: KIVI int2/int4, int8, fp8.
+
+Boundary: pure tensor functions with no cache bookkeeping (windows, flushes, crops live in ``quantized.py``).
+Every function here is a plain, readable reference; tests check round trips and error bounds against them.
+
+Layouts follow KIVI (Liu et al., arXiv:2402.02750):
+    keys    per channel: a group is ``G`` consecutive *tokens* of one channel (outlier channels get their
+            own scale); codes ``[B, H, N, G·b/8, D]`` packed along the token axis, scale/zero ``[B, H, N, 1, D]``.
+    values  per token: a group is ``G`` consecutive *channels* of one token; codes ``[B, H, S, D·b/8]``,
+            scale/zero ``[B, H, S, D/G]``.
+    int8    per token, symmetric (scale only): codes int8 ``[B, H, S, D]``, scale ``[B, H, S, 1]``.
+    fp8     e4m3 codes ``[B, H, S, D]`` with one fp32 scale per (sequence, head) ``[B, H, 1, 1]``.
+Asymmetric groups store an fp16 scale and an fp16 zero (the group minimum): ``x ≈ code · scale + zero``.
+
+Shape legend: ``B`` batch, ``H`` kv heads, ``S`` tokens, ``D`` head dim, ``G`` group size, ``N = S / G`` groups,
+``b`` code bits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
+# Headroom of the frozen fp8 scale: later tokens may be up to this many times larger than the calibration
+# tokens before saturating; costs 2 of e4m3's ~15 binades of range, none of its 3-bit relative precision.
+FP8_HEADROOM = 4.0
+INT8_MAX = 127
+
+
+@dataclass
+class GroupCodes:
+    """Asymmetric group-quantized tensor: ``x ≈ unpack(codes) · scale + zero`` (scale/zero broadcast)."""
+
+    codes: torch.Tensor  # uint8, bit-packed
+    scale: torch.Tensor  # fp16
+    zero: torch.Tensor  # fp16 (the group minimum, rounded down)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.zero))
+
+
+# ---------------------------------------------------------------------------------------------------- bit packing
+def codes_per_byte(bits: int) -> int:
+    if bits not in (2, 4, 8):
+        raise ValueError(f"bits={bits} cannot be packed into bytes; use 2, 4 or 8.")
+    return 8 // bits
+
+
+def pack_codes(codes: torch.Tensor, bits: int, dim: int = -1) -> torch.Tensor:
+    """Pack unsigned ``bits``-bit codes (uint8, values < 2**bits) along ``dim``: ``n`` codes -> ``n·bits/8`` bytes.
+
+    Code ``j`` of a byte sits at bit offset ``j·bits`` (little-endian inside the byte).
+    """
+    per = codes_per_byte(bits)
+    if per == 1:
+        return codes.to(torch.uint8)
+    dim = dim % codes.dim()
+    if codes.shape[dim] % per:
+        raise ValueError(f"cannot pack {codes.shape[dim]} codes of {bits} bits: need a multiple of {per}.")
+    grouped = codes.to(torch.uint8).unflatten(dim, (codes.shape[dim] // per, per))
+    packed = grouped.select(dim + 1, 0).clone()
+    for j in range(1, per):
+        packed |= grouped.select(dim + 1, j) << (j * bits)
+    return packed
+
+
+def unpack_codes(packed: torch.Tensor, bits: int, dim: int = -1) -> torch.Tensor:
+    """Inverse of ``pack_codes``: ``n`` bytes along ``dim`` -> ``n·8/bits`` uint8 codes."""
+    per = codes_per_byte(bits)
+    if per == 1:
+        return packed
+    dim = dim % packed.dim()
+    shape = [1] * (packed.dim() + 1)
+    shape[dim + 1] = per
+    shifts = (torch.arange(per, dtype=torch.uint8, device=packed.device) * bits).view(shape)
+    codes = (packed.unsqueeze(dim + 1) >> shifts) & ((1 << bits) - 1)
+    return codes.flatten(dim, dim + 1)
+
+
+# ---------------------------------------------------------------------------------------------------- asymmetric
+def _round_down_fp16(x: torch.Tensor) -> torch.Tensor:
+    """fp16 value <= x (so the stored zero never exceeds the group minimum)."""
+    y = x.half()
+    return torch.where(y.float() > x, torch.nextafter(y, torch.full_like(y, -torch.inf)), y)
+
+
+def _round_up_fp16(x: torch.Tensor) -> torch.Tensor:
+    """fp16 value >= x (so the stored scale covers the group range)."""
+    y = x.half()
+    return torch.where(y.float() < x, torch.nextafter(y, torch.full_like(y, torch.inf)), y)
+
+
+def quantize_asymmetric(x: torch.Tensor, bits: int, dim: int) -> GroupCodes:
+    """Min/scale quantization of groups that run along ``dim`` (the whole extent of ``dim`` is one group).
+
+    Codes are not packed here. Scale and zero are rounded to fp16 *outward* before computing codes, so that
+    dequantizing with the stored fp16 values is within ``scale / 2`` of ``x`` for every element.
+    """
+    levels = (1 << bits) - 1
+    xf = x.float()
+    zero = _round_down_fp16(xf.amin(dim=dim, keepdim=True))
+    scale = _round_up_fp16((xf.amax(dim=dim, keepdim=True) - zero.float()) / levels)
+    safe = torch.where(scale == 0, torch.ones_like(scale), scale).float()  # constant group: every code is 0
+    codes = ((xf - zero.float()) / safe).round_().clamp_(0, levels).to(torch.uint8)
+    return GroupCodes(codes, scale, zero)
+
+
+def dequantize_asymmetric(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+                          dtype: torch.dtype) -> torch.Tensor:
+    """``codes · scale + zero`` in ``dtype`` (unpacked uint8 codes; scale/zero broadcast)."""
+    return torch.addcmul(zero.to(dtype), codes.to(dtype), scale.to(dtype))
+
+
+# ---------------------------------------------------------------------------------------------------- KIVI keys/values
+def quantize_keys(keys: torch.Tensor, bits: int, group_size: int) -> GroupCodes:
+    """KIVI keys, per channel. keys ``[B, H, N·G, D]`` -> codes ``[B, H, N, G·b/8, D]``, scale/zero ``[B, H, N, 1, D]``."""
+    grouped = keys.unflatten(2, (keys.shape[2] // group_size, group_size))  # [B, H, N, G, D]
+    q = quantize_asymmetric(grouped, bits, dim=3)
+    return GroupCodes(pack_codes(q.codes, bits, dim=3), q.scale, q.zero)
+
+
+def dequantize_keys(q: GroupCodes, bits: int, dtype: torch.dtype) -> torch.Tensor:
+    """Inverse of ``quantize_keys`` -> ``[B, H, N·G, D]``."""
+    codes = unpack_codes(q.codes, bits, dim=3)  # [B, H, N, G, D]
+    return dequantize_asymmetric(codes, q.scale, q.zero, dtype).flatten(2, 3)
+
+
+def quantize_values(values: torch.Tensor, bits: int, group_size: int) -> GroupCodes:
+    """KIVI values, per token. values ``[B, H, S, D]`` -> codes ``[B, H, S, D·b/8]``, scale/zero ``[B, H, S, D/G]``."""
+    head_dim = values.shape[-1]
+    if head_dim % group_size:
+        raise ValueError(f"value groups run along head_dim={head_dim}; group_size={group_size} must divide it.")
+    grouped = values.unflatten(3, (head_dim // group_size, group_size))  # [B, H, S, D/G, G]
+    q = quantize_asymmetric(grouped, bits, dim=4)
+    return GroupCodes(pack_codes(q.codes.flatten(3, 4), bits), q.scale.squeeze(4), q.zero.squeeze(4))
+
+
+def dequantize_values(q: GroupCodes, bits: int, dtype: torch.dtype) -> torch.Tensor:
+    """Inverse of ``quantize_values`` -> ``[B, H, S, D]``."""
+    groups = q.scale.shape[-1]
+    codes = unpack_codes(q.codes, bits).unflatten(3, (groups, -1))  # [B, H, S, D/G, G]
+    return dequantize_asymmetric(codes, q.scale.unsqueeze(4), q.zero.unsqueeze(4), dtype).flatten(3, 4)
+
+
+# ---------------------------------------------------------------------------------------------------- int8 / fp8
+def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-token int8. x ``[B, H, S, D]`` -> (codes int8 ``[B, H, S, D]``, fp16 scale ``[B, H, S, 1]``)."""
+    xf = x.float()
+    scale = _round_up_fp16(xf.abs().amax(dim=-1, keepdim=True) / INT8_MAX)
+    safe = torch.where(scale == 0, torch.ones_like(scale), scale).float()
+    codes = (xf / safe).round_().clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
+    return codes, scale
+
+
+def dequantize_int8(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return codes.to(dtype) * scale.to(dtype)
+
+
+def fp8_head_scale(x: torch.Tensor) -> torch.Tensor:
+    """fp32 scale per (sequence, head) ``[B, H, 1, 1]`` from calibration states x ``[B, H, S, D]``, with headroom."""
+    amax = x.float().abs().amax(dim=(2, 3), keepdim=True)
+    return (amax * FP8_HEADROOM / FP8_MAX).clamp_(min=torch.finfo(torch.float32).tiny)
+
+
+def quantize_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """e4m3 codes of ``x / scale``, saturating (a plain cast would turn out-of-range values into NaN)."""
+    return (x.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+
+
+def dequantize_fp8(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return (codes.float() * scale).to(dtype)

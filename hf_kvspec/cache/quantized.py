@@ -1,0 +1,270 @@
+"""``QuantizedKVCache``: a croppable, beam-safe KIVI / int8 / fp8 KV cache for transformers, in pure torch.
+
+Boundary: a transformers ``Cache`` whose layers keep attention-sink tokens and a residual window in full
+precision and flush older tokens into a ``QuantizedStore``; attention itself is left to the model (the layer
+returns dequantized keys/values, the reference path). No transformers private names are used.
+
+One layer holds, in token order::
+
+    [ sinks (first n, full precision) | quantized store (flushed units) | residual window (newest, full precision) ]
+
+Flush rule (identical to ``hf_kvspec.memory.quantized_token_split``, so ``nbytes()`` equals ``kv_cache_bytes``):
+the window holds at most ``residual_length`` tokens; when an update makes it overflow, exactly the oldest whole
+flush units (``group_size`` tokens for KIVI, single tokens for int8/fp8) are quantized and appended to the store.
+Codes already in the store are never re-quantized. The prompt goes through the same rule, so its tail stays in
+the window (unlike transformers' ``QuantizedCache``, which quantizes the whole prompt and re-quantizes the whole
+history at every flush). Within one forward the new tokens, and anything flushed by that forward, are attended
+at full precision — KIVI does the same during prefill; later steps read the quantized codes.
+
+Crop rule (``crop(-k)``, used to roll back rejected speculative tokens):
+    * tokens removed from the window only: exact, nothing else changes;
+    * reaching into the store: flush units entirely past the new length are dropped; a unit cut in the middle
+      is dropped too and its surviving tokens move back into the window as their dequantized values, so every
+      kept token keeps its position. Those (at most ``group_size - 1``) tokens get quantized a second time when
+      the window flushes them again — the only case in which a token is quantized twice. int8/fp8 units are
+      single tokens, so crops there never dequantize anything.
+    * after a crop the store may hold more tokens than the formula for the new length (nothing is un-quantized);
+      the window still never exceeds ``residual_length``.
+
+Deviations from KIVI (arXiv:2402.02750): none in the quantization itself (per-channel keys, per-token values,
+asymmetric, fp16 scale/zero, whole-group flushes); sink tokens follow KVQuant/StreamingLLM (arXiv:2401.18079,
+2309.17453) and are an opt-in extra.
+
+Shape legend: ``B`` batch, ``H`` kv heads, ``T`` new tokens, ``S`` cached tokens, ``D`` head dim.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from hf_kvspec.cache.quantized_stores import Fp8Store, Int8Store, KiviStore, QuantizedStore
+from hf_kvspec.memory import check_quant_params, quantized_token_split
+
+METHODS = ("kivi", "int8", "fp8")
+_DEFAULTS = {  # method -> (bits, group_size, residual_length)
+    "kivi": (4, 64, 128),
+    "int8": (8, None, 0),  # per-token scales need no look-ahead, so no window by default
+    "fp8": (8, None, 0),
+}
+
+
+@dataclass(frozen=True)
+class QuantSettings:
+    """Validated settings shared by every layer of a ``QuantizedKVCache``."""
+
+    method: str
+    bits: int
+    group_size: int | None  # KIVI group; None for int8/fp8 (their scales are per token / per head)
+    residual_length: int
+    sink_tokens: int
+
+    @classmethod
+    def resolve(cls, method: str, bits: int | None, group_size: int | None, residual_length: int | None,
+                sink_tokens: int) -> QuantSettings:
+        if method not in METHODS:
+            raise ValueError(f"method={method!r} is unknown; use one of {METHODS}.")
+        default_bits, default_group, default_residual = _DEFAULTS[method]
+        bits = default_bits if bits is None else bits
+        residual_length = default_residual if residual_length is None else residual_length
+        if method == "kivi":
+            group_size = default_group if group_size is None else group_size
+            if bits not in (2, 4):
+                raise ValueError(f"KIVI supports bits=2 or 4, got bits={bits}; use method='int8' for 8 bits.")
+            check_quant_params(bits, group_size, residual_length)
+        else:
+            if bits != 8:
+                raise ValueError(f"method={method!r} stores 8-bit codes; got bits={bits}.")
+            if group_size is not None:
+                raise ValueError(f"group_size applies to method='kivi' only ({method} scales are per "
+                                 f"{'token' if method == 'int8' else 'head'}); leave it unset.")
+            if not isinstance(residual_length, int) or residual_length < 0:
+                raise ValueError(f"residual_length={residual_length} must be a non-negative integer.")
+        if not isinstance(sink_tokens, int) or sink_tokens < 0:
+            raise ValueError(f"sink_tokens={sink_tokens} must be a non-negative integer.")
+        return cls(method, bits, group_size, residual_length, sink_tokens)
+
+    @property
+    def flush_unit(self) -> int:
+        return self.group_size if self.method == "kivi" else 1
+
+    def new_store(self) -> QuantizedStore:
+        if self.method == "kivi":
+            return KiviStore(self.bits, self.group_size)
+        return Int8Store() if self.method == "int8" else Fp8Store()
+
+    def memory_kwargs(self) -> dict:
+        """Keyword arguments of ``hf_kvspec.memory.kv_cache_bytes`` describing this storage."""
+        if self.method == "kivi":
+            return {"bits": self.bits, "group_size": self.group_size, "residual_length": self.residual_length}
+        layout = "token" if self.method == "int8" else "head"
+        return {"bits": 8, "residual_length": self.residual_length, "scale_layout": layout}
+
+
+def _take(x: torch.Tensor, start: int, end: int | None = None) -> torch.Tensor:
+    return x[:, :, start:end]
+
+
+class QuantizedKVLayer(CacheLayerMixin):
+    """One layer: sinks + quantized store + residual window (``self.keys``/``self.values`` are the window)."""
+
+    is_croppable = True
+    is_sliding = False
+
+    def __init__(self, settings: QuantSettings):
+        super().__init__()
+        self.settings = settings
+        self.store = settings.new_store()
+        self.sink_keys = self.sink_values = None  # [B, H, <=n_sink, D]
+
+    # ------------------------------------------------------------------------------------------------ growth
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device, self.dtype = key_states.device, key_states.dtype
+        self.keys, self.values = _take(key_states, 0, 0), _take(value_states, 0, 0)
+        self.sink_keys, self.sink_values = self.keys, self.values
+        self.store.start(key_states, value_states)
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Append key/value states [B, H, T, D]; return every cached token's keys/values [B, H, S + T, D]."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        key_states, value_states = self._fill_sinks(key_states, value_states)
+        history = self._history()
+        self.keys = torch.cat([self.keys, key_states], dim=2)
+        self.values = torch.cat([self.values, value_states], dim=2)
+        full_keys = torch.cat([*history[0], self.keys], dim=2)  # window still exact here: nothing flushed yet
+        full_values = torch.cat([*history[1], self.values], dim=2)
+        self._flush()
+        return full_keys, full_values
+
+    def _fill_sinks(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Move the first tokens into the sinks until ``sink_tokens`` are held; return the rest."""
+        room = self.settings.sink_tokens - self.sink_keys.shape[2]
+        if room <= 0:
+            return keys, values
+        self.sink_keys = torch.cat([self.sink_keys, _take(keys, 0, room)], dim=2)
+        self.sink_values = torch.cat([self.sink_values, _take(values, 0, room)], dim=2)
+        return _take(keys, room), _take(values, room)
+
+    def _history(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Sinks and dequantized store (reference path: the whole store is dequantized every step)."""
+        keys, values = [self.sink_keys], [self.sink_values]
+        if self.store.length:
+            store_keys, store_values = self.store.dequantize(self.dtype)
+            keys.append(store_keys)
+            values.append(store_values)
+        return keys, values
+
+    def _flush(self) -> None:
+        """Quantize the oldest whole units of the window until it holds at most ``residual_length`` tokens."""
+        tokens = self.store.length + self.keys.shape[2]
+        quantized, _ = quantized_token_split(tokens, self.settings.flush_unit, self.settings.residual_length)
+        count = quantized - self.store.length
+        if count <= 0:
+            return
+        self.store.append(_take(self.keys, 0, count), _take(self.values, 0, count))
+        self.keys, self.values = _take(self.keys, count), _take(self.values, count)
+
+    # ------------------------------------------------------------------------------------------------ queries
+    def get_seq_length(self) -> int:
+        if not self.is_initialized:
+            return 0
+        return self.sink_keys.shape[2] + self.store.length + self.keys.shape[2]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.get_seq_length() + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def nbytes(self) -> int:
+        """Bytes actually held: sinks and window at model precision plus the store's codes and scales."""
+        if not self.is_initialized:
+            return 0
+        full = (self.sink_keys, self.sink_values, self.keys, self.values)
+        return sum(t.numel() * t.element_size() for t in full) + self.store.nbytes()
+
+    # ------------------------------------------------------------------------------------------------ edits
+    def crop(self, tokens_to_remove: int) -> None:
+        """Remove the newest ``-tokens_to_remove`` tokens (see the module docstring for the rule)."""
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop({tokens_to_remove}): pass a negative number of tokens to remove, e.g. crop(-3).")
+        if tokens_to_remove == 0 or not self.is_initialized:
+            return
+        new_length = max(0, self.get_seq_length() + tokens_to_remove)
+        sinks = self.sink_keys.shape[2]
+        kept_window = new_length - sinks - self.store.length
+        if kept_window >= 0:
+            self.keys, self.values = _take(self.keys, 0, kept_window), _take(self.values, 0, kept_window)
+            return
+        self.keys, self.values = _take(self.keys, 0, 0), _take(self.values, 0, 0)
+        survivors = self.store.truncate(max(0, new_length - sinks), self.dtype)
+        if survivors is not None:
+            self.keys, self.values = survivors
+        self.sink_keys, self.sink_values = _take(self.sink_keys, 0, new_length), _take(self.sink_values, 0, new_length)
+
+    def _map_batch(self, fn) -> None:
+        if not self.is_initialized:
+            return
+        self.sink_keys, self.sink_values = fn(self.sink_keys), fn(self.sink_values)
+        self.keys, self.values = fn(self.keys), fn(self.values)
+        self.store.map_batch(fn)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Beam search: codes and scales are re-indexed as they are, so reordering adds no quantization error."""
+        self._map_batch(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._map_batch(lambda t: t[indices])
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._map_batch(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def reset(self) -> None:
+        self.keys = self.values = self.sink_keys = self.sink_values = None
+        self.store = self.settings.new_store()
+        self.is_initialized = False
+
+    def offload(self):
+        raise NotImplementedError("QuantizedKVCache does not support offloading; it already shrinks the cache.")
+
+
+class QuantizedKVCache(Cache):
+    """KIVI int2/int4 (default), int8 or fp8 KV cache; pass it as ``model.generate(..., cache=QuantizedKVCache(...))``.
+
+    Args:
+        config: the model's config (its text config is used); every layer must be full attention.
+        bits: 2 or 4 for ``"kivi"`` (default 4); 8 for ``"int8"`` / ``"fp8"``.
+        group_size: KIVI group length: tokens per key group, channels per value group (default 64; must
+            divide the head dim). Not used by int8/fp8.
+        residual_length: newest tokens kept at full precision (KIVI default 128, a multiple of
+            ``group_size``; int8/fp8 default 0).
+        method: ``"kivi"``, ``"int8"`` (symmetric per token and head) or ``"fp8"`` (e4m3, per-head scales).
+        sink_tokens: first tokens kept at full precision forever (attention sinks).
+    """
+
+    def __init__(self, config, bits: int | None = None, group_size: int | None = None,
+                 residual_length: int | None = None, method: str = "kivi", sink_tokens: int = 0):
+        self.settings = QuantSettings.resolve(method, bits, group_size, residual_length, sink_tokens)
+        text_config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+        layer_types = getattr(text_config, "layer_types", None) or ["full_attention"]
+        unsupported = sorted(set(layer_types) - {"full_attention"})
+        if unsupported:
+            raise ValueError(f"QuantizedKVCache supports full-attention layers only; this model has {unsupported}. "
+                             "Use DynamicCache for sliding-window or hybrid models.")
+        self.config = text_config
+        layers = [QuantizedKVLayer(self.settings) for _ in range(text_config.num_hidden_layers)]
+        super().__init__(layers=layers)
+
+    def nbytes(self) -> int:
+        """Bytes actually stored over all layers (equals ``kv_cache_bytes(config, S, B, dtype,
+        **settings.memory_kwargs())`` for a cache grown by updates, after subtracting/adding the sinks)."""
+        return sum(layer.nbytes() for layer in self.layers)
+
+    def __repr__(self) -> str:
+        s = self.settings
+        return (f"QuantizedKVCache(method={s.method!r}, bits={s.bits}, group_size={s.group_size}, "
+                f"residual_length={s.residual_length}, sink_tokens={s.sink_tokens}, layers={len(self.layers)})")
