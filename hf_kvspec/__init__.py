@@ -30,6 +30,8 @@ _EXPORTS: dict[str, str] = {
     "PagedCache": "hf_kvspec.cache.paged",
     "BlockPool": "hf_kvspec.cache.block_pool",
     "OutOfBlocksError": "hf_kvspec.cache.block_pool",
+    # quantized KV cache
+    "QuantizedKVCache": "hf_kvspec.cache.quantized",
     # attention patches
     "enable_gqa": "hf_kvspec.attention.gqa",
     "enable_mla_absorb": "hf_kvspec.attention.mla",

@@ -6,7 +6,15 @@ its names to ``CACHE_CHOICES`` and a branch to ``make_cache``.
 
 from __future__ import annotations
 
-CACHE_CHOICES: tuple[str, ...] = ("dynamic", "paged")
+CACHE_CHOICES: tuple[str, ...] = ("dynamic", "paged", "kivi4", "kivi2", "int8", "fp8")
+
+# quantized names -> QuantizedKVCache settings (KIVI-2 uses the paper's group 32; residual 128 for both)
+_QUANTIZED: dict[str, dict] = {
+    "kivi4": dict(method="kivi", bits=4, group_size=64, residual_length=128),
+    "kivi2": dict(method="kivi", bits=2, group_size=32, residual_length=128),
+    "int8": dict(method="int8"),
+    "fp8": dict(method="fp8"),
+}
 
 
 def make_cache(name: str, config):
@@ -19,6 +27,10 @@ def make_cache(name: str, config):
         from hf_kvspec.cache.paged import PagedCache
 
         return PagedCache(config)
+    if name in _QUANTIZED:
+        from hf_kvspec.cache.quantized import QuantizedKVCache
+
+        return QuantizedKVCache(config, **_QUANTIZED[name])
     raise ValueError(f"Unknown cache {name!r}; choose one of {', '.join(CACHE_CHOICES)}.")
 
 
