@@ -22,6 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # so `bench` resolves 
 SUBCOMMANDS: dict[str, str] = {
     "memory": "bench.memory",
     "generate": "bench.generate",
+    "paged": "bench.paged",
+    "attention": "bench.attention",
 }
 
 

@@ -105,6 +105,8 @@ def reference_paged_attention(
 def _fold_mask(mask, batch: int, groups: int, q_len: int, kv_len: int, device) -> torch.Tensor:
     """``[B, 1, T, S]`` -> ``[B, 1, G·T, S]`` (row g·T + t is query t of group g); None -> bottom-right causal."""
     if mask is None:
+        if q_len == 1:
+            return None  # one query per row sees every key: no mask at all lets SDPA take its fastest path
         mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=device).tril(kv_len - q_len)
         mask = mask.expand(batch, 1, q_len, kv_len)
     if mask.shape[1] != 1:
@@ -114,9 +116,11 @@ def _fold_mask(mask, batch: int, groups: int, q_len: int, kv_len: int, device) -
     return mask[:, :, None].expand(batch, 1, groups, q_len, kv_len).reshape(batch, 1, groups * q_len, kv_len)
 
 
-def _masked_softmax(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def _masked_softmax(scores: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     # finfo.min rather than -inf: a fully masked row (a left-padding query) softmaxes to uniform, not NaN
-    if mask.dtype == torch.bool:
+    if mask is None:
+        pass
+    elif mask.dtype == torch.bool:
         scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
     else:
         scores = scores + mask
@@ -149,10 +153,13 @@ def paged_attention_forward(
 
 
 def paged_attention_mask(**kwargs) -> torch.Tensor | None:
-    """``AttentionMaskInterface`` entry: SDPA's boolean mask, always materialised (never "use is_causal")."""
+    """``AttentionMaskInterface`` entry: SDPA's boolean mask ``[B, 1, T, S]``.
+
+    Like SDPA's, it may return None when nothing but causality is to be masked (no padding, and a single
+    query or an empty cache); ``grouped_attention`` then applies the bottom-right causal mask itself.
+    """
     from transformers.masking_utils import sdpa_mask
 
-    kwargs["allow_is_causal_skip"] = False
     return sdpa_mask(**kwargs)
 
 

@@ -38,7 +38,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and_kwargs
 
 from hf_kvspec import _compat
-from hf_kvspec.attention.paged import ATTN_NAME, PagedKV
+from hf_kvspec.attention.paged import ATTN_NAME, PagedKV, gather_blocks
 from hf_kvspec.memory import kv_bytes_per_token, parse_bytes
 
 from .block_pool import BlockPool
@@ -79,15 +79,10 @@ class PagedLayer(CacheLayerMixin):
             pages.view(-1, *pages.shape[2:]).index_copy_(0, slots, flat)
         self.cumulative_length += key_states.shape[-2]
 
-    def gather(self, token_slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Contiguous K, V ``[B, Hkv, S, D]`` of the slots ``[B, S]``."""
-        batch, length = token_slots.shape
-        index = token_slots.reshape(-1)
-        return tuple(
-            pages.view(-1, *pages.shape[2:]).index_select(0, index).view(batch, length, *pages.shape[2:])
-            .transpose(1, 2).contiguous()
-            for pages in (self.keys, self.values)
-        )
+    def gather(self, view: PagedKV) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V ``[B, Hkv, S, D]`` (strided views of one whole-block gather each, no second copy)."""
+        return (gather_blocks(self.keys, view.block_tables, view.kv_length),
+                gather_blocks(self.values, view.block_tables, view.kv_length))
 
     def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         self.keys[dst] = self.keys[src]
@@ -166,7 +161,7 @@ class PagedCache(Cache):
         if step.paged:
             kwargs["paged_kv"] = step.view
             return layer.keys, layer.values
-        return layer.gather(step.token_slots)
+        return layer.gather(step.view)
 
     def _begin_step(self, batch: int, new_tokens: int, device, has_kwargs: bool) -> None:
         tables = self.tables
@@ -297,16 +292,6 @@ class _Step:
         self.view = PagedKV(block_tables, start + new_tokens)
         positions = torch.arange(start, start + new_tokens, device=block_tables.device)
         self.slots = (block_tables[:, positions // block_size] * block_size + positions % block_size).reshape(-1)
-        self._block_tables, self._block_size = block_tables, block_size
-        self._token_slots: torch.Tensor | None = None
-
-    @property
-    def token_slots(self) -> torch.Tensor:  # [B, S], built on first use (only the gathered path needs it)
-        if self._token_slots is None:
-            offsets = torch.arange(self._block_size, device=self._block_tables.device)
-            slots = self._block_tables[:, :, None] * self._block_size + offsets  # [B, M, P]
-            self._token_slots = slots.flatten(1)[:, : self.view.kv_length]
-        return self._token_slots
 
 
 def blocks_for_budget(config, block_size: int, memory_budget: int | str | None, dtype: torch.dtype) -> int:

@@ -106,7 +106,18 @@ def test_hf_kvspec_register_installs_paged_attention():
     assert ATTN_NAME not in AttentionInterface._global_mapping
 
 
-def test_mask_is_always_materialised():
-    """SDPA's mask function may return None ("use is_causal"); ours never does, so padding is never lost."""
-    mask = paged_attention_mask(batch_size=1, q_length=4, kv_length=4, allow_is_causal_skip=True)
-    assert mask is not None and mask.dtype == torch.bool and mask[0, 0].equal(torch.ones(4, 4).tril().bool())
+def test_mask_keeps_padding_and_may_skip_only_pure_causality():
+    padded = paged_attention_mask(batch_size=1, q_length=1, kv_length=4, q_offset=3,
+                                  attention_mask=torch.tensor([[False, True, True, True]]))
+    assert padded is not None and padded[0, 0, 0].tolist() == [False, True, True, True]
+    assert paged_attention_mask(batch_size=1, q_length=1, kv_length=4, q_offset=3) is None  # decode, no padding
+
+
+@pytest.mark.parametrize("groups", [1, 3])
+def test_single_query_without_mask_sees_every_key(groups):
+    query, key_pages, value_pages, tables, kv_len, _ = paged_case(groups, 3, q_len=1)
+    everything = torch.ones(3, 1, 1, kv_len, dtype=torch.bool)
+    got, _ = paged_attention_forward(_Module(), query, key_pages, value_pages, None, scaling=0.25,
+                                     paged_kv=PagedKV(tables, kv_len))
+    expected = reference_paged_attention(query, key_pages, value_pages, tables, kv_len, everything, 0.25)
+    torch.testing.assert_close(got, expected, **TOL)

@@ -78,7 +78,7 @@ def test_hashes_are_chained_salted_and_padding_aware():
     assert len(block_hashes(tokens[:11], 4)) == 2  # only full blocks
     assert block_hashes(tokens, 4, salt="a") != block_hashes(tokens, 4, salt="b")
     # same second block, different first block: the chain makes the second hash differ too
-    other = [99] + tokens[1:]
+    other = [99, *tokens[1:]]
     assert block_hashes(other, 4)[1] != block_hashes(tokens, 4)[1]
     padded = block_hashes(tokens, 4, padding=[True] + [False] * 11)
     assert padded[0] != block_hashes(tokens, 4)[0]

@@ -187,8 +187,8 @@ def test_prefix_reuse_skips_prefill_of_cached_blocks():
     try:
         cache = PagedCache(m.config, block_size=4, num_blocks=64, enable_prefix_caching=True)
         system = list(range(10, 30))  # 20-token shared prefix = 5 full blocks
-        first = torch.tensor([system + [40, 41, 42]])
-        second = torch.tensor([system + [50, 51, 52, 53, 54, 55]])
+        first = torch.tensor([[*system, 40, 41, 42]])
+        second = torch.tensor([[*system, 50, 51, 52, 53, 54, 55]])
         for ids, expected_skip in ((first, 0), (second, 20), (second, 24)):
             assert cache.load_prefix(ids) == expected_skip
             counter.widths.clear()

@@ -8,10 +8,10 @@ import torch
 
 pytest.importorskip("hf_kvspec.speculative.loop", reason="the speculative engine (hf_kvspec.speculative) is missing")
 
-import hf_kvspec  # noqa: E402
-from hf_kvspec.attention.paged import ATTN_NAME, register_paged_attention, unregister_paged_attention  # noqa: E402
-from hf_kvspec.cache.paged import PagedCache  # noqa: E402
-from tests.speculative.helpers import batch, drafts_for  # noqa: E402
+import hf_kvspec
+from hf_kvspec.attention.paged import ATTN_NAME, register_paged_attention, unregister_paged_attention
+from hf_kvspec.cache.paged import PagedCache
+from tests.speculative.helpers import batch, drafts_for
 
 MAX_NEW = 20
 
