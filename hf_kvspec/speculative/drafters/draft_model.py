@@ -24,10 +24,14 @@ class DraftModelAssistant(Drafter):
     """``DraftModelAssistant(draft_model, num_draft_tokens=4)``: chain drafts from a small same-tokenizer LM.
 
     ``num_draft_tokens`` is K per round, or ``"auto"`` to adapt it from measured acceptance and cost.
+    ``sample_drafts=False`` drafts the draft's argmax even when the call samples; the drafts are then verified
+    as point masses (still exact; usually lower acceptance than rejection sampling against sampled drafts).
     """
 
-    def __init__(self, draft_model, num_draft_tokens: int | str = 4, max_draft_tokens: int = 16):
+    def __init__(self, draft_model, num_draft_tokens: int | str = 4, max_draft_tokens: int = 16,
+                 sample_drafts: bool = True):
         super().__init__(num_draft_tokens, max_draft_tokens)
+        self.sample_drafts = sample_drafts
         if getattr(draft_model.config, "is_encoder_decoder", False):
             raise ValueError("DraftModelAssistant needs a decoder-only causal LM as draft model.")
         self.model = draft_model.eval()
@@ -54,7 +58,7 @@ class DraftModelAssistant(Drafter):
         for step in range(count):
             drafted = torch.stack(tokens, dim=1) if tokens else buffer.tokens.new_zeros(buffer.tokens.shape[0], 0)
             scores = ctx.process(logits, drafted, start=step)[:, 0]  # [B, V]
-            if ctx.do_sample:
+            if ctx.do_sample and self.sample_drafts:
                 dist = torch.softmax(scores, dim=-1)
                 tokens.append(torch.multinomial(dist, 1).squeeze(1))
                 probs.append(dist)
