@@ -1,0 +1,69 @@
+"""Prompt-lookup drafting and the automatic draft length."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import hf_kvspec
+from hf_kvspec.speculative.autok import AutoDraftLength
+from hf_kvspec.speculative.drafters.ngram import lookup_continuation
+from tests.tiny_models import left_padded_batch, tiny_model
+
+
+def test_lookup_takes_the_latest_longest_match():
+    seq = torch.tensor([1, 2, 3, 9, 1, 2, 4, 5, 7, 1, 2])
+    assert lookup_continuation(seq, 3, 1, 3).tolist() == [4, 5, 7]  # "1 2" last seen before "4 5 7"
+    assert lookup_continuation(torch.tensor([8, 1, 2, 3, 6, 2, 3]), 3, 1, 2).tolist() == [6, 2]
+    assert lookup_continuation(torch.tensor([5, 6, 7]), 3, 1, 4).tolist() == []  # no earlier occurrence
+    assert lookup_continuation(torch.tensor([4, 4]), 3, 1, 4).tolist() == [4]  # unigram, clipped by the end
+    assert lookup_continuation(torch.tensor([1, 2, 1, 3, 2]), 3, 2, 4).tolist() == []  # min_ngram=2: no bigram
+
+
+REPETITIVE = [[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6], [10, 11, 12, 10, 11, 12, 10], [13, 14, 15, 13], [20, 21]]
+
+
+@pytest.mark.parametrize("k", [3, "auto"])
+def test_ngram_greedy_is_exact_in_a_batch(k):
+    target = tiny_model("llama", seed=0)
+    ids, mask = left_padded_batch(REPETITIVE)
+    expected = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=30, pad_token_id=0)
+    assistant = hf_kvspec.NgramAssistant(max_ngram=3, num_draft_tokens=k)
+    out = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=30, pad_token_id=0,
+                          custom_generate=hf_kvspec.speculative_generate, assistant=assistant)
+    assert torch.equal(out, expected)
+    assert assistant.stats.draft_forwards == 0 and sum(assistant.stats.accepted) > 0
+
+
+def _outcome(k, accepted, draft_s, verify_s):
+    num = torch.tensor(accepted)
+    return SimpleNamespace(num_draft_tokens=k, num_accepted=num, alive=torch.ones_like(num, dtype=torch.bool),
+                           draft_time_s=draft_s, verify_time_s=verify_s)
+
+
+def _feed(auto, k, accepted, draft_per_token, verify_base, slope=0.15):
+    auto.update(_outcome(k, accepted, draft_per_token * k, verify_base * (1 + slope * k)))
+
+
+def test_auto_k_grows_with_cheap_accurate_drafts():
+    auto = AutoDraftLength(max_draft_tokens=12)
+    for step in range(30):
+        _feed(auto, [4, 6, 8][step % 3], [[4], [6], [8]][step % 3], draft_per_token=0.0, verify_base=0.1)
+    assert auto.alpha > 0.9 and auto.choose() >= 8
+
+
+def test_auto_k_falls_back_to_plain_decoding_and_probes():
+    auto = AutoDraftLength(max_draft_tokens=8, probe_every=5)
+    for step in range(20):
+        _feed(auto, [2, 4][step % 2], [0], draft_per_token=0.01, verify_base=0.1)  # never accepted
+    choices = [auto.choose() for _ in range(10)]
+    assert choices.count(0) >= 8 and max(choices) >= 1  # mostly plain decoding, with periodic probes
+
+
+def test_auto_k_refuses_a_draft_as_costly_as_the_target():
+    auto = AutoDraftLength(max_draft_tokens=8)
+    for step in range(20):
+        _feed(auto, [2, 4][step % 2], [[2], [4]][step % 2], draft_per_token=0.1, verify_base=0.1)
+    assert auto.rate(0) > auto.rate(1) and auto.choose() == 0
