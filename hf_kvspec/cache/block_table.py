@@ -171,6 +171,19 @@ class BlockTables:
         self._tokens[row] = list(token_ids)
         self._padding[row] = list(padding) if padding is not None else [False] * len(token_ids)
 
+    def extend_tokens(self, row: int, token_ids: Sequence[int], padding: Sequence[bool] | None = None) -> None:
+        """Declare more of ``row``'s token ids (e.g. generated ones) and index its newly hashable full blocks."""
+        known = self._tokens[row]
+        if list(token_ids[: len(known)]) != known:
+            raise ValueError(f"Row {row}: the given token ids do not start with the {len(known)} ids it already holds.")
+        pads = list(padding or [])[: len(token_ids)]
+        pads += [False] * (len(token_ids) - len(pads))  # e.g. a prompt mask: generated columns are not padding
+        extra = pads[len(known):]
+        self._tokens[row] = list(token_ids)
+        self._padding[row] = self._padding[row] + extra
+        if self.enable_prefix_caching:
+            self._register_full_blocks(row)
+
     def match_prefix(self, row: int, max_tokens: int) -> tuple[list[int], list[bytes]]:
         """Cached blocks holding the longest full-block prefix of ``row``'s tokens, up to ``max_tokens``."""
         usable = min(max_tokens, len(self._tokens[row]))

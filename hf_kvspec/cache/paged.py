@@ -24,7 +24,8 @@ computes only the uncached tail. At least one prompt token is always left to pre
 
 Deviations from vLLM: every row of a batch has the same length (transformers batches are rectangular);
 sliding-window layers keep their full history (the mask applies the window), so rollback works at any
-depth and all layers share one block table; generated tokens are not hashed (the cache sees only K/V).
+depth and all layers share one block table; generated tokens are hashed only when the caller hands their
+ids back with ``record_tokens`` (the cache sees only K/V).
 
 Shape legend: B batch · Hkv KV heads · T new tokens · S cached + new tokens · D head dim ·
 N blocks · P block size · M blocks per row.
@@ -248,6 +249,22 @@ class PagedCache(Cache):
             self.tables.attach(row, blocks[:shared], hashes[:shared])
         self._set_lengths(shared * self.block_size)
         return shared * self.block_size
+
+    def record_tokens(self, sequences: torch.Tensor, attention_mask: torch.Tensor | None = None) -> None:
+        """Tell the cache the token ids its rows hold, e.g. ``generate``'s output ``[B, L]``.
+
+        The cache sees only K/V, so without this only prompt blocks (from ``load_prefix``) are hashed. After
+        it, full blocks of generated tokens are indexed too, and a follow-up turn whose prompt repeats the
+        conversation so far reuses them. ``sequences`` must start with the ids the rows already hold.
+        """
+        if not self.tables.enable_prefix_caching:
+            raise ValueError("record_tokens() needs PagedCache(..., enable_prefix_caching=True).")
+        if sequences.ndim != 2 or sequences.shape[0] != self.tables.num_rows:
+            raise ValueError(f"sequences must be [{self.tables.num_rows}, L] (one row per cache row), "
+                             f"got shape {tuple(sequences.shape)}.")
+        padding = (attention_mask == 0).tolist() if attention_mask is not None else [None] * len(sequences)
+        for row, (tokens, pads) in enumerate(zip(sequences.tolist(), padding)):
+            self.tables.extend_tokens(row, tokens, pads)
 
     # ---- introspection -------------------------------------------------------------------------
     def num_free_blocks(self) -> int:

@@ -37,7 +37,7 @@ TARGETS = {"decode": 0.9, "utilisation": 0.96, "concurrency": 2.0, "ttft": 3.0}
 def add_arguments(parser) -> None:
     parser.add_argument("--batch-sizes", default="1,4,8")
     parser.add_argument("--prompt-lens", default="512,2048", help="cached tokens S before decoding")
-    parser.add_argument("--decode-steps", type=int, default=6, help="decode steps per timed repeat")
+    parser.add_argument("--decode-steps", type=int, default=8, help="decode steps per timed repeat")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--num-seqs", type=int, default=512, help="sequences in the log-normal mix")
@@ -65,12 +65,12 @@ def _decode_rates(model, caches: dict, batch: int, steps: int, repeats: int) -> 
     for repeat in range(repeats + 1):  # the first round is warm-up
         for name, (attn, cache) in caches.items():
             model.set_attn_implementation(attn)
-            start = time.perf_counter()
+            start = time.process_time()
             with torch.inference_mode():
                 for _ in range(steps):
                     model(input_ids=tokens, cache=cache)
             if repeat:
-                samples[name].append(time.perf_counter() - start)
+                samples[name].append(time.process_time() - start)
             cache.crop(-steps)  # roll back so every repeat decodes at the same S
     model.set_attn_implementation("sdpa")
     return {name: batch * steps / statistics.median(times) for name, times in samples.items()}
@@ -152,11 +152,11 @@ def ttft_part(model, tokenizer, args, report: Report, plot: dict) -> None:
         return torch.cat([prefix, tail], dim=1)
 
     def first_token(cache, ids) -> float:
-        start = time.perf_counter()
+        start = time.process_time()
         with torch.inference_mode():
             cache.load_prefix(ids)
             model.generate(ids, cache=cache, max_new_tokens=1, do_sample=False, pad_token_id=0)
-        return time.perf_counter() - start
+        return time.process_time() - start
 
     blocks = 2 * -(-(args.prefix_len + 40) // args.block_size) + 2
     new_cache = lambda: PagedCache(model.config, block_size=args.block_size, num_blocks=blocks,  # noqa: E731
@@ -192,9 +192,11 @@ def run(args) -> None:
         "interleaved across the three variants.",
         "slot utilisation: baseline = StaticCache sized for the longest sequence; target applies to the paged value.",
         "concurrent seqs: allocator arithmetic over the real BlockPool (no tensors), StaticCache reserves the longest.",
-        "TTFT: baseline = cold (full prefill), paged = warm (prefix blocks reused via load_prefix); "
+        "TTFT (CPU s): baseline = cold (full prefill), paged = warm (prefix blocks reused via load_prefix); "
         f"median of {args.ttft_repeats}.",
-        "Machine shared with other jobs (2 cores, 1 torch thread): absolute times are noisy, ratios less so.",
+        "Times are CPU seconds of this single-threaded process (time.process_time), not wall time: the 2-core "
+        "machine was shared with ~6 other jobs, and wall time mostly measured their load (wall-clock ratios of the "
+        "same runs swung by +-20%). With one torch thread, CPU time equals wall time on an idle machine.",
     ]
     plot: dict = {}
     memory_part(model, args, report, plot)

@@ -200,6 +200,23 @@ def test_prefix_reuse_skips_prefill_of_cached_blocks():
         counter.handle.remove()
 
 
+def test_record_tokens_makes_generated_blocks_reusable_for_the_next_turn():
+    m = model("llama")
+    cache = PagedCache(m.config, block_size=4, num_blocks=64, enable_prefix_caching=True)
+    ids, mask = batch(2)  # 11 columns, row 1 left padded
+    cache.load_prefix(ids, mask)
+    out = m.generate(ids, attention_mask=mask, cache=cache, **_gen_kwargs())  # 23 columns, 22 stored
+    cache.record_tokens(out, mask)
+    follow_up = torch.cat([out, torch.tensor([[60, 61, 62]] * 2)], dim=1)
+    follow_mask = torch.cat([mask, torch.ones(2, follow_up.shape[1] - mask.shape[1], dtype=mask.dtype)], dim=1)
+    assert cache.load_prefix(follow_up, follow_mask) == 20  # 5 full blocks, generated tokens included
+    again = m.generate(follow_up, attention_mask=follow_mask, cache=cache, **_gen_kwargs())
+    expected = m.generate(follow_up, attention_mask=follow_mask, cache=DynamicCache(config=m.config), **_gen_kwargs())
+    assert torch.equal(again, expected)
+    with pytest.raises(ValueError, match="do not start with"):
+        cache.record_tokens(torch.zeros_like(again))
+
+
 def test_prefix_reuse_with_left_padding_and_salt():
     m = model("qwen2")
     ids, mask = batch(4)
