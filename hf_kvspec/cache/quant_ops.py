@@ -52,32 +52,44 @@ def codes_per_byte(bits: int) -> int:
 def pack_codes(codes: torch.Tensor, bits: int, dim: int = -1) -> torch.Tensor:
     """Pack unsigned ``bits``-bit codes (uint8, values < 2**bits) along ``dim``: ``n`` codes -> ``n·bits/8`` bytes.
 
-    Code ``j`` of a byte sits at bit offset ``j·bits`` (little-endian inside the byte).
+    Planar layout: with ``per = 8 / bits`` codes per byte and ``m = n / per``, byte ``j`` holds codes
+    ``j, j + m, j + 2m, ...`` at bit offsets ``0, bits, 2·bits, ...``. Unpacking is then ``per`` shift-and-mask
+    passes that each write one contiguous slice (no interleaving), about 3x faster than interleaved nibbles.
     """
     per = codes_per_byte(bits)
     if per == 1:
         return codes.to(torch.uint8)
-    dim = dim % codes.dim()
     if codes.shape[dim] % per:
         raise ValueError(f"cannot pack {codes.shape[dim]} codes of {bits} bits: need a multiple of {per}.")
-    grouped = codes.to(torch.uint8).unflatten(dim, (codes.shape[dim] // per, per))
-    packed = grouped.select(dim + 1, 0).clone()
-    for j in range(1, per):
-        packed |= grouped.select(dim + 1, j) << (j * bits)
+    slices = codes.to(torch.uint8).chunk(per, dim)
+    packed = slices[0].clone()
+    for k in range(1, per):
+        packed |= slices[k] << (k * bits)
     return packed
 
 
-def unpack_codes(packed: torch.Tensor, bits: int, dim: int = -1) -> torch.Tensor:
-    """Inverse of ``pack_codes``: ``n`` bytes along ``dim`` -> ``n·8/bits`` uint8 codes."""
+def _code_slices(packed: torch.Tensor, bits: int):
+    """The ``8 / bits`` planar code slices of ``packed`` (uint8), lowest bits first."""
+    mask = (1 << bits) - 1
     per = codes_per_byte(bits)
-    if per == 1:
+    for k in range(per):
+        shifted = packed >> (k * bits) if k else packed
+        yield shifted if k == per - 1 else shifted & mask  # the top slice needs no mask
+
+
+def unpack_codes(packed: torch.Tensor, bits: int, dim: int = -1) -> torch.Tensor:
+    """Inverse of ``pack_codes``: ``m`` bytes along ``dim`` -> ``m·8/bits`` uint8 codes."""
+    if codes_per_byte(bits) == 1:
         return packed
-    dim = dim % packed.dim()
-    shape = [1] * (packed.dim() + 1)
-    shape[dim + 1] = per
-    shifts = (torch.arange(per, dtype=torch.uint8, device=packed.device) * bits).view(shape)
-    codes = (packed.unsqueeze(dim + 1) >> shifts) & ((1 << bits) - 1)
-    return codes.flatten(dim, dim + 1)
+    return torch.cat(list(_code_slices(packed, bits)), dim)
+
+
+def unpack_codes_into(out: torch.Tensor, packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
+    """``unpack_codes`` written straight into ``out`` (any float dtype; the uint8 -> float cast is fused into
+    the copy), skipping the uint8 intermediate and the concatenation."""
+    for part, codes in zip(out.chunk(codes_per_byte(bits), dim), _code_slices(packed, bits)):
+        part.copy_(codes)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------- asymmetric
@@ -122,10 +134,16 @@ def quantize_keys(keys: torch.Tensor, bits: int, group_size: int) -> GroupCodes:
     return GroupCodes(pack_codes(q.codes, bits, dim=3), q.scale, q.zero)
 
 
-def dequantize_keys(q: GroupCodes, bits: int, dtype: torch.dtype) -> torch.Tensor:
-    """Inverse of ``quantize_keys`` -> ``[B, H, N·G, D]``."""
-    codes = unpack_codes(q.codes, bits, dim=3)  # [B, H, N, G, D]
-    return dequantize_asymmetric(codes, q.scale, q.zero, dtype).flatten(2, 3)
+def dequantize_keys(q: GroupCodes, bits: int, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Inverse of ``quantize_keys`` -> ``[B, H, N·G, D]``, written into ``out`` (a view of that shape) if given."""
+    batch, heads, groups, packed_len, dim = q.codes.shape
+    group = packed_len * 8 // bits
+    if out is None:
+        out = torch.empty(batch, heads, groups * group, dim, dtype=dtype, device=q.codes.device)
+    grouped = out.unflatten(2, (groups, group))  # [B, H, N, G, D]
+    unpack_codes_into(grouped, q.codes, bits, dim=3)
+    grouped.mul_(q.scale).add_(q.zero)
+    return out
 
 
 def quantize_values(values: torch.Tensor, bits: int, group_size: int) -> GroupCodes:
@@ -138,11 +156,15 @@ def quantize_values(values: torch.Tensor, bits: int, group_size: int) -> GroupCo
     return GroupCodes(pack_codes(q.codes.flatten(3, 4), bits), q.scale.squeeze(4), q.zero.squeeze(4))
 
 
-def dequantize_values(q: GroupCodes, bits: int, dtype: torch.dtype) -> torch.Tensor:
-    """Inverse of ``quantize_values`` -> ``[B, H, S, D]``."""
-    groups = q.scale.shape[-1]
-    codes = unpack_codes(q.codes, bits).unflatten(3, (groups, -1))  # [B, H, S, D/G, G]
-    return dequantize_asymmetric(codes, q.scale.unsqueeze(4), q.zero.unsqueeze(4), dtype).flatten(3, 4)
+def dequantize_values(q: GroupCodes, bits: int, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Inverse of ``quantize_values`` -> ``[B, H, S, D]``, written into ``out`` (a view of that shape) if given."""
+    batch, heads, tokens, packed_len = q.codes.shape
+    if out is None:
+        out = torch.empty(batch, heads, tokens, packed_len * 8 // bits, dtype=dtype, device=q.codes.device)
+    unpack_codes_into(out, q.codes, bits, dim=3)
+    grouped = out.unflatten(3, (q.scale.shape[-1], -1))  # [B, H, S, D/G, G]
+    grouped.mul_(q.scale.unsqueeze(4)).add_(q.zero.unsqueeze(4))
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------- int8 / fp8

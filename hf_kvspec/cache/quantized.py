@@ -13,8 +13,14 @@ the window holds at most ``residual_length`` tokens; when an update makes it ove
 flush units (``group_size`` tokens for KIVI, single tokens for int8/fp8) are quantized and appended to the store.
 Codes already in the store are never re-quantized. The prompt goes through the same rule, so its tail stays in
 the window (unlike transformers' ``QuantizedCache``, which quantizes the whole prompt and re-quantizes the whole
-history at every flush). Within one forward the new tokens, and anything flushed by that forward, are attended
-at full precision — KIVI does the same during prefill; later steps read the quantized codes.
+history at every flush).
+
+Read rule: every forward attends to exactly what the cache stores after its update — tokens flushed by this
+very update are read back dequantized. So a token's representation depends only on its position and the
+tokens before it, never on how many tokens a forward carried: with per-token methods (int8/fp8, window 0)
+speculative verification over K+1 tokens sees bit-for-bit what K+1 single-token steps would see. Deviation
+from KIVI: its prefill attends the whole prompt at full precision; here the prompt's flushed groups are read
+quantized already in the prefill forward (the newest ``residual_length`` tokens stay exact).
 
 Crop rule (``crop(-k)``, used to roll back rejected speculative tokens):
     * tokens removed from the window only: exact, nothing else changes;
@@ -28,7 +34,7 @@ Crop rule (``crop(-k)``, used to roll back rejected speculative tokens):
 
 Deviations from KIVI (arXiv:2402.02750): none in the quantization itself (per-channel keys, per-token values,
 asymmetric, fp16 scale/zero, whole-group flushes); sink tokens follow KVQuant/StreamingLLM (arXiv:2401.18079,
-2309.17453) and are an opt-in extra.
+2309.17453) and are an opt-in extra; the prefill read rule is described above.
 
 Shape legend: ``B`` batch, ``H`` kv heads, ``T`` new tokens, ``S`` cached tokens, ``D`` head dim.
 """
@@ -132,13 +138,10 @@ class QuantizedKVLayer(CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         key_states, value_states = self._fill_sinks(key_states, value_states)
-        history = self._history()
         self.keys = torch.cat([self.keys, key_states], dim=2)
         self.values = torch.cat([self.values, value_states], dim=2)
-        full_keys = torch.cat([*history[0], self.keys], dim=2)  # window still exact here: nothing flushed yet
-        full_values = torch.cat([*history[1], self.values], dim=2)
         self._flush()
-        return full_keys, full_values
+        return self._assemble()  # the forward reads exactly what is stored (see "Read rule")
 
     def _fill_sinks(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Move the first tokens into the sinks until ``sink_tokens`` are held; return the rest."""
@@ -149,13 +152,18 @@ class QuantizedKVLayer(CacheLayerMixin):
         self.sink_values = torch.cat([self.sink_values, _take(values, 0, room)], dim=2)
         return _take(keys, room), _take(values, room)
 
-    def _history(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Sinks and dequantized store (reference path: the whole store is dequantized every step)."""
-        keys, values = [self.sink_keys], [self.sink_values]
-        if self.store.length:
-            store_keys, store_values = self.store.dequantize(self.dtype)
-            keys.append(store_keys)
-            values.append(store_values)
+    def _assemble(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """[sinks | dequantized store | window] as (keys, values) [B, H, S, D] — the reference path: the whole
+        store is dequantized at every step, straight into one preallocated tensor (no concatenation)."""
+        sinks, stored = self.sink_keys.shape[2], self.store.length
+        total = sinks + stored + self.keys.shape[2]
+        keys = self.keys.new_empty(*self.keys.shape[:2], total, self.keys.shape[3])
+        values = self.values.new_empty(*self.values.shape[:2], total, self.values.shape[3])
+        for out, sink, window in ((keys, self.sink_keys, self.keys), (values, self.sink_values, self.values)):
+            _take(out, 0, sinks).copy_(sink)
+            _take(out, sinks + stored).copy_(window)
+        if stored:
+            self.store.dequantize_into(_take(keys, sinks, sinks + stored), _take(values, sinks, sinks + stored))
         return keys, values
 
     def _flush(self) -> None:

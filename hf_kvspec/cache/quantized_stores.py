@@ -40,8 +40,20 @@ class QuantizedStore(ABC):
         """Quantize and append keys/values [B, H, n, D], ``n`` a multiple of ``granularity``."""
 
     @abstractmethod
+    def dequantize_into(self, keys_out: torch.Tensor, values_out: torch.Tensor) -> None:
+        """Write every stored token's keys/values into views [B, H, S, D] of the layer's output (no concatenation)."""
+
     def dequantize(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """All stored tokens as (keys, values) [B, H, S, D] in ``dtype``."""
+        (batch, heads, key_dim), (_, _, value_dim), device = self.geometry()
+        keys = torch.empty(batch, heads, self.length, key_dim, dtype=dtype, device=device)
+        values = torch.empty(batch, heads, self.length, value_dim, dtype=dtype, device=device)
+        self.dequantize_into(keys, values)
+        return keys, values
+
+    @abstractmethod
+    def geometry(self) -> tuple[tuple[int, int, int], tuple[int, int, int], torch.device]:
+        """((B, H, D_k), (B, H, D_v), device) of the stored keys/values."""
 
     @abstractmethod
     def _slice(self, units: int) -> None:
@@ -98,8 +110,13 @@ class KiviStore(QuantizedStore):
                 old.zero = torch.cat([old.zero, new.zero], dim=2)
         self.length += keys.shape[2]
 
-    def dequantize(self, dtype):
-        return ops.dequantize_keys(self.keys, self.bits, dtype), ops.dequantize_values(self.values, self.bits, dtype)
+    def dequantize_into(self, keys_out, values_out):
+        ops.dequantize_keys(self.keys, self.bits, keys_out.dtype, out=keys_out)
+        ops.dequantize_values(self.values, self.bits, values_out.dtype, out=values_out)
+
+    def geometry(self):
+        kc, vc = self.keys.codes, self.values.codes  # [B, H, N, G·b/8, D], [B, H, S, D·b/8]
+        return kc.shape[:2] + kc.shape[-1:], vc.shape[:2] + (vc.shape[-1] * 8 // self.bits,), kc.device
 
     def _slice(self, units):
         tokens = units * self.granularity
@@ -126,6 +143,10 @@ class _PerTokenStore(QuantizedStore):
         super().__init__()
         self.state: dict[str, torch.Tensor] = {}
 
+    def geometry(self):
+        kc, vc = self.state["k.codes"], self.state["v.codes"]  # [B, H, S, D]
+        return kc.shape[:2] + kc.shape[-1:], vc.shape[:2] + vc.shape[-1:], kc.device
+
     def _slice(self, units):
         for name, tensor in self.state.items():
             if not name.endswith("scale_head"):  # per-head scales have no token axis
@@ -148,10 +169,10 @@ class Int8Store(_PerTokenStore):
             self.state[f"{prefix}.scale"] = _cat(self.state.get(f"{prefix}.scale"), scale, 2)
         self.length += keys.shape[2]
 
-    def dequantize(self, dtype):
+    def dequantize_into(self, keys_out, values_out):
         s = self.state
-        return (ops.dequantize_int8(s["k.codes"], s["k.scale"], dtype),
-                ops.dequantize_int8(s["v.codes"], s["v.scale"], dtype))
+        keys_out.copy_(ops.dequantize_int8(s["k.codes"], s["k.scale"], keys_out.dtype))
+        values_out.copy_(ops.dequantize_int8(s["v.codes"], s["v.scale"], values_out.dtype))
 
 
 class Fp8Store(_PerTokenStore):
@@ -169,7 +190,7 @@ class Fp8Store(_PerTokenStore):
             self.state[f"{prefix}.codes"] = _cat(self.state.get(f"{prefix}.codes"), codes, 2)
         self.length += keys.shape[2]
 
-    def dequantize(self, dtype):
+    def dequantize_into(self, keys_out, values_out):
         s = self.state
-        return (ops.dequantize_fp8(s["k.codes"], s["k.scale_head"], dtype),
-                ops.dequantize_fp8(s["v.codes"], s["v.scale_head"], dtype))
+        keys_out.copy_(ops.dequantize_fp8(s["k.codes"], s["k.scale_head"], keys_out.dtype))
+        values_out.copy_(ops.dequantize_fp8(s["v.codes"], s["v.scale_head"], values_out.dtype))
