@@ -208,3 +208,21 @@ def test_derivative_architectures(model_type):
     expected = model.generate(ids, **settings)
     with enable_mla_absorb(model, strategy="absorb"):
         assert torch.equal(model.generate(ids, **settings), expected)
+
+
+def test_paged_cache_stores_the_latent_and_greedy_matches():
+    """Any Cache works: PagedCache pages hold [blocks, P, 1, C] latents and [blocks, P, 1, R] RoPE keys."""
+    from hf_kvspec.cache.paged import PagedCache
+
+    model = tiny_model("deepseek_v3")
+    config = model.config
+    ids, attention_mask = left_padded_batch(PROMPTS)
+    settings = dict(attention_mask=attention_mask, max_new_tokens=24, do_sample=False, pad_token_id=0)
+    expected = model.generate(ids, **settings)
+    cache = PagedCache(config, block_size=4, num_blocks=32)
+    with enable_mla_absorb(model):
+        generated = model.generate(ids, cache=cache, **settings)
+    assert torch.equal(generated, expected)
+    pages = cache.layers[0]
+    assert pages.keys.shape[2:] == (1, config.kv_lora_rank) and pages.values.shape[2:] == (1, config.qk_rope_head_dim)
+    assert cache.nbytes() == 32 * 4 * config.num_hidden_layers * (config.kv_lora_rank + config.qk_rope_head_dim) * 4

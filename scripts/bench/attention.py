@@ -1,0 +1,339 @@
+"""Attention patches: kvspec_gqa vs sdpa/eager on the bundled model, MLA absorb vs stock DeepSeek attention.
+
+    python scripts/benchmark.py attention [--contexts 512,2048,8192] [--mla-contexts 1024,4096,8192,16384]
+                                          [--decode-steps 8] [--mla-steps 4] [--repeats 3] [--skip-gqa|--skip-mla]
+
+(a) GQA, bundled SmolLM2-135M (9 query / 3 KV heads, 30 layers, fp32, batch 1). Per context length the
+    first ``context - chunk`` tokens are prefilled once (untimed, shared); each implementation then
+    prefills the last ``--prefill-chunk`` tokens on that cache (timed; the cache is cropped back), which
+    is chunked prefill at that depth (the whole prompt when context <= chunk). Then decode rounds of
+    ``--decode-steps`` tokens alternate the implementations on the same full cache. Ratios are vs sdpa.
+(b) MLA, a randomly initialised DeepSeek-V3-shaped model scaled to a CPU (32 heads, head dim 64,
+    d_c = 4·64, d_r = 64/2 as in V3's 512/128 and 64/128): the latent cache is filled with random
+    values (decode cost does not depend on them; a real 16k prefill would take minutes), then stock
+    transformers attention and the absorbed forward alternate decode rounds on the same cache.
+
+Peak memory. Prefill: resident-set growth during the timed chunk, sampled every millisecond (glibc is
+told to return freed blocks at once, see ``_return_freed_memory``), whole model. Decode: transients
+of one attention call of one layer at that context (live torch tensors from the profiler's memory
+timeline, exact; the rest of a step is the same for every implementation). Both include eager's score
+matrix, ``repeat_kv`` copies and stock MLA's per-head expansion of the cached latents.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import statistics
+import tempfile
+import threading
+import time
+import warnings
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from bench.harness import Report, save_plot
+
+GQA_IMPLS = ("sdpa", "eager", "kvspec_gqa")
+MIB = 2**20
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--contexts", default="512,2048,8192", help="GQA context lengths (bundled model)")
+    parser.add_argument("--prefill-chunk", type=int, default=512, help="GQA prefill: new tokens timed at each context")
+    parser.add_argument("--prefill-repeats", type=int, default=1)
+    parser.add_argument("--decode-steps", type=int, default=8)
+    parser.add_argument("--mla-contexts", default="1024,4096,8192,16384")
+    parser.add_argument("--mla-steps", type=int, default=4)
+    parser.add_argument("--mla-layers", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=3, help="alternating decode rounds per implementation")
+    parser.add_argument("--skip-gqa", action="store_true")
+    parser.add_argument("--skip-mla", action="store_true")
+
+
+class PeakRSS:
+    """Largest resident-set growth while inside the ``with`` block (Linux ``/proc/self/statm``)."""
+
+    def __init__(self, interval_s: float = 0.001):
+        self.interval_s, self.peak_bytes = interval_s, 0
+        self._page = 4096
+
+    @staticmethod
+    def _rss_pages() -> int:
+        return int(Path("/proc/self/statm").read_text().split()[1])
+
+    def _poll(self) -> None:
+        while not self._stop.is_set():
+            self._max = max(self._max, self._rss_pages())
+            time.sleep(self.interval_s)
+
+    def __enter__(self) -> PeakRSS:
+        self._start = self._max = self._rss_pages()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._max = max(self._max, self._rss_pages())
+        self.peak_bytes = max(self.peak_bytes, (self._max - self._start) * self._page)
+
+
+def torch_peak_mib(fn) -> float:
+    """Peak growth of live torch CPU tensors while ``fn()`` runs (profiler memory timeline, exact but slow)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # export_memory_timeline is deprecated for CUDA, still the CPU tool
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True,
+                     with_stack=True) as prof:
+            fn()
+        with tempfile.TemporaryDirectory() as folder:
+            path = Path(folder) / "timeline.json"
+            prof.export_memory_timeline(str(path), device="cpu")
+            _, sizes = json.loads(path.read_text())
+    totals = [sum(sample) for sample in sizes]
+    return (max(totals) - totals[0]) / MIB
+
+
+def _return_freed_memory() -> None:
+    """glibc: serve every block >= 128 KiB by mmap and trim at once, so freed tensors leave the resident set
+    and the sampled RSS growth reflects each region's own transients (not reused, already-resident heap)."""
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallopt(-3, 128 * 1024)  # M_MMAP_THRESHOLD (fixed: disables glibc's dynamic raise)
+    libc.mallopt(-1, 0)  # M_TRIM_THRESHOLD
+
+
+def _decode(model, cache, first_token: torch.Tensor, steps: int) -> float:
+    """Seconds for ``steps`` greedy decode steps on ``cache``; the cache is cropped back afterwards."""
+    token = first_token
+    start = time.perf_counter()
+    for _ in range(steps):
+        logits = model(token, cache=cache, use_cache=True).logits
+        token = logits[:, -1:].argmax(-1)
+    elapsed = time.perf_counter() - start
+    cache.crop(-steps)
+    return elapsed
+
+
+def _prefill(model, ids: torch.Tensor, chunk: int, cache=None):
+    for begin in range(0, ids.shape[1], chunk):
+        cache = model(ids[:, begin:begin + chunk], cache=cache, use_cache=True, logits_to_keep=1).cache
+    return cache
+
+
+def _timed_chunk(model, cache, chunk_ids: torch.Tensor) -> float:
+    """Seconds to prefill ``chunk_ids`` on top of ``cache`` (``None``: an empty one); the cache is restored."""
+    start = time.perf_counter()
+    model(chunk_ids, cache=cache, use_cache=True, logits_to_keep=1)  # logits_to_keep=1 as generate's prefill
+    elapsed = time.perf_counter() - start
+    if cache is not None:
+        cache.crop(-chunk_ids.shape[1])
+    return elapsed
+
+
+def _run_gqa(args, report: Report, results: dict) -> None:
+    from hf_kvspec.attention.gqa import register_gqa
+    from hf_kvspec.models import load_bundled_model
+
+    register_gqa()
+    model, _ = load_bundled_model()
+    warm = torch.randint(100, 40000, (1, 64))
+    for impl in GQA_IMPLS:  # first-call costs (kernels, dispatch caches) stay out of the timings
+        model.set_attn_implementation(impl)
+        _decode(model, _prefill(model, warm, 64), warm[:, -1:], 2)
+    for context in [int(c) for c in args.contexts.split(",")]:
+        rows = _gqa_context(model, args, context)
+        _add_gqa_rows(report, results, context, rows)
+    model.set_attn_implementation("sdpa")
+
+
+def _gqa_context(model, args, context: int) -> dict:
+    """Prefill the last chunk (timed per implementation) on a shared cache, then alternate decode rounds."""
+    torch.manual_seed(context)
+    ids = torch.randint(100, 40000, (1, context))
+    chunk = min(args.prefill_chunk, context)
+    model.set_attn_implementation("kvspec_gqa")  # the shared context: untimed, lowest memory
+    cache = _prefill(model, ids[:, : context - chunk], 2048) if context > chunk else None
+    rows = {impl: {"prefill": [], "decode": []} for impl in GQA_IMPLS}
+    peaks = {impl: PeakRSS() for impl in GQA_IMPLS}
+    for _ in range(args.prefill_repeats):
+        for impl in GQA_IMPLS:
+            model.set_attn_implementation(impl)
+            with peaks[impl]:
+                rows[impl]["prefill"].append(_timed_chunk(model, cache, ids[:, context - chunk:]))
+    cache = _prefill(model, ids[:, context - chunk:], chunk, cache)
+    for _ in range(args.repeats):
+        for impl in GQA_IMPLS:
+            model.set_attn_implementation(impl)
+            rows[impl]["decode"].append(_decode(model, cache, ids[:, -1:], args.decode_steps))
+    for impl in GQA_IMPLS:
+        model.set_attn_implementation(impl)
+        row = rows[impl]
+        row["prefill_tok_s"] = chunk / statistics.median(row.pop("prefill"))
+        row["decode_tok_s"] = args.decode_steps / statistics.median(row.pop("decode"))
+        row["prefill_peak_mib"] = peaks[impl].peak_bytes / MIB
+        row["decode_peak_mib"] = _gqa_call_peak(model, impl, context)
+        row["prefill_tokens"] = chunk
+    print(f"  gqa context {context} done", flush=True)
+    return rows
+
+
+def _gqa_call_peak(model, impl: str, context: int) -> float:
+    """MiB of transients in one decode attention call of one layer at ``context`` (inputs pre-allocated).
+
+    Measured on the attention function alone: the rest of a decode step is the same for every
+    implementation, and DynamicCache's per-step ``torch.cat`` would blur the profiler's accounting.
+    """
+    from transformers import AttentionInterface
+    from transformers.models.llama.modeling_llama import eager_attention_forward
+
+    attn = model.model.layers[0].self_attn
+    config = model.config
+    head_dim = config.hidden_size // config.num_attention_heads
+    query = torch.randn(1, config.num_attention_heads, 1, head_dim)
+    key, value = torch.randn(2, 1, config.num_key_value_heads, context, head_dim).unbind(0)
+    function = eager_attention_forward if impl == "eager" else AttentionInterface()[impl]
+    mask = torch.zeros(1, 1, 1, context) if impl == "eager" else None  # what each gets at decode, unpadded
+    return torch_peak_mib(lambda: function(attn, query, key, value, mask, scaling=attn.scaling))
+
+
+def _add_gqa_rows(report: Report, results: dict, context: int, rows: dict) -> None:
+    base = rows["sdpa"]
+    for impl, row in rows.items():
+        results.setdefault(("gqa", impl), []).append((context, row["decode_tok_s"], row["prefill_tok_s"]))
+        report.add(part="gqa", impl=impl, context=context, decode_tok_s=round(row["decode_tok_s"], 2),
+                   decode_vs_base=round(row["decode_tok_s"] / base["decode_tok_s"], 3),
+                   prefill_tokens=row["prefill_tokens"], prefill_tok_s=round(row["prefill_tok_s"], 1),
+                   prefill_vs_base=round(row["prefill_tok_s"] / base["prefill_tok_s"], 3),
+                   prefill_peak_mib=round(row["prefill_peak_mib"], 1), decode_peak_mib=round(row["decode_peak_mib"], 2))
+
+
+def mla_bench_config(layers: int):
+    """DeepSeek-V3's ratios at CPU size (V3: 128 heads of 128 + 64 RoPE, d_c 512, q rank 1536, hidden 56/head)."""
+    from transformers import DeepseekV3Config
+
+    return DeepseekV3Config(
+        vocab_size=4096, hidden_size=1792, intermediate_size=4608, moe_intermediate_size=512, num_hidden_layers=layers,
+        num_attention_heads=32, num_key_value_heads=32, q_lora_rank=768, kv_lora_rank=256, qk_nope_head_dim=64,
+        qk_rope_head_dim=32, v_head_dim=64, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+        first_k_dense_replace=1, n_group=1, topk_group=1, max_position_embeddings=32768,
+    )
+
+
+def _latent_cache(config, context: int):
+    """A DynamicCache holding ``context`` random latents per layer: c_kv [1, 1, S, C], k_rot [1, 1, S, R]."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=config)
+    generator = torch.Generator().manual_seed(context)
+    for layer in range(config.num_hidden_layers):
+        c_kv = torch.randn(1, 1, context, config.kv_lora_rank, generator=generator)
+        k_rot = torch.randn(1, 1, context, config.qk_rope_head_dim, generator=generator)
+        cache.update(c_kv, k_rot, layer)
+    return cache
+
+
+class _FrozenCache:
+    """Stands in for a cache holding ``context`` latents: ``update`` returns them without concatenating."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor):
+        self.keys, self.values = keys, values
+
+    def update(self, *args, **kwargs):
+        return self.keys, self.values
+
+
+def _mla_call_peak(model, cache, context: int) -> float:
+    """MiB of transients in one decode forward of layer 0's attention over ``context`` cached latents."""
+    attn = model.model.layers[0].self_attn
+    layer = cache.layers[0]
+    frozen = _FrozenCache(layer.keys[:, :, :context], layer.values[:, :, :context])
+    hidden = torch.randn(1, 1, model.config.hidden_size)
+    embeddings = model.model.rotary_emb(hidden, torch.tensor([[context]]))
+    return torch_peak_mib(lambda: attn(hidden_states=hidden, position_embeddings=embeddings, attention_mask=None,
+                                       cache=frozen))
+
+
+def _run_mla(args, report: Report, results: dict) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from hf_kvspec.attention.mla import enable_mla_absorb
+    from hf_kvspec.memory import kv_cache_bytes
+
+    config = mla_bench_config(args.mla_layers)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    token = torch.tensor([[7]])
+    _decode(model, _latent_cache(config, 64), token, 2)  # warm-up of both paths
+    with enable_mla_absorb(model):
+        _decode(model, _latent_cache(config, 64), token, 2)
+    expanded = config.num_attention_heads * (config.qk_nope_head_dim + config.qk_rope_head_dim + config.v_head_dim)
+    for context in [int(c) for c in args.mla_contexts.split(",")]:
+        cache = _latent_cache(config, context)
+        times = {"stock": [], "absorbed": []}
+        for _ in range(args.repeats):
+            times["stock"].append(_decode(model, cache, token, args.mla_steps))
+            with enable_mla_absorb(model):
+                times["absorbed"].append(_decode(model, cache, token, args.mla_steps))
+        peaks = {"stock": _mla_call_peak(model, cache, context)}
+        with enable_mla_absorb(model):
+            peaks["absorbed"] = _mla_call_peak(model, cache, context)
+        stored = sum(t.nbytes for layer in cache.layers for t in (layer.keys, layer.values))
+        per_token_layer = stored / (context * config.num_hidden_layers)
+        assert stored == kv_cache_bytes(config, context, 1, dtype=torch.float32), "cache is not latent-only"
+        base = args.mla_steps / statistics.median(times["stock"])
+        for impl in ("stock", "absorbed"):
+            rate = args.mla_steps / statistics.median(times[impl])
+            results.setdefault(("mla", impl), []).append((context, rate, None))
+            report.add(part="mla", impl=impl, context=context, decode_tok_s=round(rate, 2),
+                       decode_vs_base=round(rate / base, 3), decode_peak_mib=round(peaks[impl], 2),
+                       cache_bytes_per_token_layer=int(per_token_layer),
+                       expanded_bytes_per_token_layer=expanded * 4)
+        del cache
+
+
+def _draw(results: dict):
+    def draw(fig):
+        fig.set_size_inches(13, 4.2)
+        panels = [("gqa", 1, "GQA decode (SmolLM2-135M)", "decode tokens/s"),
+                  ("gqa", 2, "GQA prefill (SmolLM2-135M)", "prefill tokens/s"),
+                  ("mla", 1, "MLA decode (DeepSeek-V3-shaped)", "decode tokens/s")]
+        for index, (part, column, title, ylabel) in enumerate(panels, start=1):
+            ax = fig.add_subplot(1, 3, index)
+            for (kind, impl), points in sorted(results.items()):
+                if kind == part:
+                    ax.plot([p[0] for p in points], [p[column] for p in points], marker="o", label=impl)
+            ax.set_xscale("log", base=2)
+            ax.set(title=title, xlabel="context tokens", ylabel=ylabel)
+            ax.legend()
+    return draw
+
+
+def run(args) -> None:
+    report = Report(
+        "attention", "Attention patches: kvspec_gqa vs sdpa/eager, MLA absorb vs stock (CPU, fp32, batch 1)",
+        ["part", "impl", "context", "decode_tok_s", "decode_vs_base", "prefill_tokens", "prefill_tok_s",
+         "prefill_vs_base",
+         "prefill_peak_mib", "decode_peak_mib", "cache_bytes_per_token_layer", "expanded_bytes_per_token_layer"],
+        settings=vars(args),
+    )
+    report.notes += [
+        "Ratios are vs the baseline measured in the same run (gqa: sdpa, mla: stock); decode rounds alternate "
+        "implementations; median of rounds. The machine was shared with other jobs: expect ±10% noise.",
+        "prefill_tok_s: the last prefill_tokens of the context prefilled on a cache holding the rest (chunked "
+        "prefill at that depth). Peak MiB above the state before the call: prefill = resident-set growth "
+        "(1 ms sampling, whole model); decode = transients of one attention call of one layer (profiler).",
+        "MLA cache rows: bytes actually stored per token per layer (c_kv + k_rot, asserted equal to "
+        "kv_cache_bytes) vs what per-head K/V of the same model would take.",
+    ]
+    _return_freed_memory()
+    results: dict = {}
+    if not args.skip_gqa:
+        _run_gqa(args, report, results)
+    if not args.skip_mla:
+        _run_mla(args, report, results)
+    report.write()
+    save_plot("attention", _draw(results))
