@@ -49,6 +49,8 @@ _EXPORTS: dict[str, str] = {
     "DraftModelAssistant": "hf_kvspec.speculative.drafters.draft_model",
     "NgramAssistant": "hf_kvspec.speculative.drafters.ngram",
     "AcceptanceStats": "hf_kvspec.speculative.stats",
+    "truncated_draft": "hf_kvspec.speculative.drafters.truncated",
+    "make_assistant": "hf_kvspec.speculative.assistants",
 }
 
 __all__ = [*sorted(_EXPORTS), "__version__"]

@@ -65,6 +65,9 @@ def _add_generate(subparsers) -> None:
     p.add_argument("--model", default="smollm2-135m-instruct", help="bundled model name")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--no-chat", action="store_true", help="feed the prompt raw, without the chat template")
+    p.add_argument("--assistant", default=None,
+                   help="speculative decoding drafter: ngram | draft:<causal LM dir> | draft:truncated:<N layers>")
+    p.add_argument("--num-draft-tokens", default="4", help="draft tokens per round (K), or 'auto'")
     p.set_defaults(func=_run_generate)
 
 
@@ -88,23 +91,44 @@ def _run_generate(args) -> None:
     cache = make_cache(args.cache, model.config)
     sampling = {"do_sample": True, "temperature": args.temperature} if args.temperature > 0 else {"do_sample": False}
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+    speculative = _speculative_kwargs(args, model)
     start = time.perf_counter()
     with torch.inference_mode():
         out = model.generate(**inputs, cache=cache, max_new_tokens=args.max_new_tokens, streamer=streamer,
-                             return_dict_in_generate=True, **sampling)
+                             return_dict_in_generate=True, **sampling, **speculative)
     elapsed = time.perf_counter() - start
     new_tokens = out.sequences.shape[1] - inputs["input_ids"].shape[1]
-    _print_stats(new_tokens, elapsed, target_forwards=new_tokens, kv_bytes=cache_nbytes(out.cache or cache),
-                 cache_name=args.cache)
+    _print_stats(new_tokens, elapsed, kv_bytes=cache_nbytes(out.cache or cache), cache_name=args.cache,
+                 acceptance=getattr(out, "acceptance", None))
 
 
-def _print_stats(new_tokens: int, elapsed: float, target_forwards: int, kv_bytes: int, cache_name: str) -> None:
+def _speculative_kwargs(args, model) -> dict:
+    if args.assistant is None:
+        return {}
+    from hf_kvspec.speculative.assistants import make_assistant, parse_num_draft_tokens
+    from hf_kvspec.speculative.loop import speculative_generate
+
+    assistant = make_assistant(args.assistant, model, parse_num_draft_tokens(args.num_draft_tokens))
+    return {"custom_generate": speculative_generate, "assistant": assistant}
+
+
+def _print_stats(new_tokens: int, elapsed: float, kv_bytes: int, cache_name: str, acceptance=None) -> None:
+    # plain decoding: one target forward per token; speculative: measured by the loop (prefill not counted)
+    tau = acceptance.tokens_per_target_forward if acceptance is not None else 1.0
     rows = [
         ("new tokens", f"{new_tokens}"),
         ("tokens/s", f"{new_tokens / elapsed:.2f}"),
-        ("tokens per target forward", f"{new_tokens / max(target_forwards, 1):.2f}"),
+        ("tokens per target forward", f"{tau:.2f}"),
         (f"KV bytes ({cache_name})", f"{format_bytes(kv_bytes)} ({kv_bytes:,} B)"),
     ]
+    if acceptance is not None:
+        rates = " ".join(f"{rate:.2f}" for rate in acceptance.acceptance_rate)
+        rows += [
+            ("target forwards (rounds)", f"{acceptance.target_forwards} (+1 prefill)"),
+            ("draft forwards", f"{acceptance.draft_forwards}"),
+            ("acceptance per position", rates or "-"),
+            ("draft / verify time", f"{acceptance.draft_time_s:.2f} s / {acceptance.verify_time_s:.2f} s"),
+        ]
     width = max(len(k) for k, _ in rows)
     print("\n" + "-" * (width + 24))
     for key, value in rows:
