@@ -21,6 +21,7 @@ Outputs in ``--output_dir``: ``config.json`` + ``model.safetensors`` (the head o
 from __future__ import annotations
 
 import json
+import random
 import os
 import shlex
 import signal
@@ -71,11 +72,13 @@ class DataArguments:
     distill_batch_size: int = 16
     max_length: int = 256
     max_train_tokens: int | None = field(default=None, metadata={"help": "token budget per text source"})
+    data_seed: int = 0
     label_source: str = field(default="target", metadata={"choices": ["target", "data"]})
     cache_features: bool = field(default=False, metadata={"help": "pre-extract target features to shards"})
     feature_batch_size: int = 8
     data_cache_dir: str | None = field(default=None, metadata={"help": "default ~/.cache/hf_kvspec/drafter_data"})
     eval_prompts: str | None = field(default=None, metadata={"help": "held-out prompts (JSONL/text) for the card"})
+    prepare_data_only: bool = field(default=False, metadata={"help": "stop after self-distillation + features"})
 
 
 @dataclass
@@ -98,6 +101,7 @@ class TrainArguments:
     loss_decay: float = field(default=0.8, metadata={"help": "weight decay**k of head/step k"})
     train_vocab: str = field(default="labels", metadata={"choices": ["labels", "full"],
                                                          "help": "softmax over label tokens only (training only)"})
+    train_vocab_size: int | None = field(default=None, metadata={"help": "keep the N most frequent label tokens"})
     num_threads: int | None = None
     push_to_hub: bool = False
     hub_model_id: str | None = None
@@ -147,20 +151,22 @@ def read_prompts(path: str, column: str = "prompt") -> list[str]:
     return [line for line in text.splitlines() if line.strip()]
 
 
-def build_examples(d: DataArguments, target, tokenizer, cache_root: Path) -> tuple[list[dict], list[dict]]:
-    """(examples, recipe): every source turned into token sequences; recipe says what went in, for the card."""
+def build_sources(d: DataArguments, target, tokenizer, cache_root: Path) -> list[tuple[dict, list[dict]]]:
+    """[(recipe row, examples)] per ``--dataset`` source; the recipe row says what went in, for the card."""
     columns = data_lib.Columns(d.text_column, d.prompt_column, d.response_column)
-    examples, recipe = [], []
+    sources = []
     for spec in d.dataset:
         texts, pairs = data_lib.split_rows(data_lib.load_source(spec, d.dataset_split), columns)
-        found = data_lib.cap_tokens(data_lib.text_windows(tokenizer, texts, d.max_length), d.max_train_tokens)
+        windows = data_lib.text_windows(tokenizer, texts, d.max_length)
+        random.Random(d.data_seed).shuffle(windows)  # a token budget then samples the whole source, not its head
+        found = data_lib.cap_tokens(windows, d.max_train_tokens)
         found += conversations(d, target, tokenizer, pairs, cache_root)
-        examples += found
-        recipe.append({"source": spec, "sequences": len(found), "tokens": sum(len(e["input_ids"]) for e in found),
-                       "kind": "chat, self-distilled" if pairs and d.self_distill else ("chat" if pairs else "text")})
-    if not examples:
+        kind = "chat, self-distilled" if pairs and d.self_distill else ("chat" if pairs else "text")
+        sources.append(({"source": spec, "kind": kind, "sequences": len(found),
+                         "tokens": sum(len(e["input_ids"]) for e in found)}, found))
+    if not any(examples for _, examples in sources):
         raise ValueError("No training examples: pass --dataset (e.g. corpus:python-docs or a .jsonl file).")
-    return examples, recipe
+    return sources
 
 
 def conversations(d: DataArguments, target, tokenizer, pairs, cache_root: Path) -> list[dict]:
@@ -198,16 +204,22 @@ def feature_layers(m: ModelArguments) -> list[int]:
     return [-1] if m.head == "medusa" else list(m.feature_layers)
 
 
-def training_set(m, d, target, examples, cache_root: Path, accelerator):
-    """Cached feature shards (``--cache_features``) or the raw examples (features computed in the loop)."""
+def training_set(m, d, target, sources, cache_root: Path, accelerator):
+    """Cached feature shards per source (``--cache_features``; adding a source reuses the others' caches), or the
+    raw examples (features computed in the loop)."""
     if not d.cache_features:
-        return examples
-    meta = {"fingerprint": base_model_fingerprint(target), "examples_hash": _examples_hash(examples)}
-    directory = cache_root / "features" / f"{meta['examples_hash'][:16]}-{'_'.join(map(str, feature_layers(m)))}"
-    with accelerator.main_process_first():
-        if accelerator.is_main_process:
-            extract_to_cache(target, examples, directory, feature_layers(m), meta, d.feature_batch_size)
-    return CachedFeatures(directory, expected_meta=meta)
+        return [example for _, examples in sources for example in examples]
+    parts, layers = [], feature_layers(m)
+    for _, examples in sources:
+        if not examples:
+            continue
+        meta = {"fingerprint": base_model_fingerprint(target), "examples_hash": _examples_hash(examples)}
+        directory = cache_root / "features" / f"{meta['examples_hash'][:16]}-{'_'.join(map(str, layers))}"
+        with accelerator.main_process_first():
+            if accelerator.is_main_process:
+                extract_to_cache(target, examples, directory, layers, meta, d.feature_batch_size)
+        parts.append(CachedFeatures(directory, expected_meta=meta))
+    return torch.utils.data.ConcatDataset(parts)
 
 
 def _examples_hash(examples: list[dict]) -> str:
@@ -220,15 +232,19 @@ def _examples_hash(examples: list[dict]) -> str:
 
 
 def training_vocabulary(t: TrainArguments, dataset, vocab_size: int) -> TrainingVocabulary:
-    """Full vocabulary, or the tokens that occur in the data / as target predictions (see objectives.py)."""
+    """Full vocabulary, or the tokens that occur as labels (data tokens and target predictions), optionally only the
+    ``train_vocab_size`` most frequent ones (see objectives.py: training only, inference stays exact)."""
     if t.train_vocab == "full":
         return TrainingVocabulary(vocab_size)
-    seen = set()
+    counts = torch.zeros(vocab_size, dtype=torch.long)
     for item in dataset:
-        seen.update(torch.as_tensor(item["input_ids"]).tolist())
+        counts += torch.bincount(torch.as_tensor(item["input_ids"]), minlength=vocab_size)
         if "target_tokens" in item:
-            seen.update(item["target_tokens"].tolist())
-    return TrainingVocabulary(vocab_size, torch.tensor(sorted(seen)))
+            counts += torch.bincount(item["target_tokens"], minlength=vocab_size)
+    seen = counts.nonzero().flatten()
+    if t.train_vocab_size is not None and len(seen) > t.train_vocab_size:
+        seen = counts.topk(t.train_vocab_size).indices
+    return TrainingVocabulary(vocab_size, seen)
 
 
 def with_features(batch: dict, target, layers: list[int], device) -> dict:
@@ -381,8 +397,12 @@ def main(argv: list[str] | None = None) -> None:
     target, tokenizer, recorded_name, hub_id = load_target(m.base_model)
     cache_root = Path(d.data_cache_dir) if d.data_cache_dir else _default_cache()
     with accelerator.main_process_first():
-        examples, recipe = build_examples(d, target, tokenizer, cache_root)
-    dataset = training_set(m, d, target, examples, cache_root, accelerator)
+        sources = build_sources(d, target, tokenizer, cache_root)
+    recipe = [row for row, _ in sources]
+    dataset = training_set(m, d, target, sources, cache_root, accelerator)
+    if d.prepare_data_only:
+        accelerator.print(f"data ready: {json.dumps(recipe)}")
+        return
     head = build_head(m, target, recorded_name)
     vocab = training_vocabulary(t, dataset, target.config.vocab_size)
     objective = TrainingObjective(head, vocab, d.label_source, t.unroll_steps, t.feature_loss_weight, t.loss_decay)

@@ -5,12 +5,15 @@ Boundary: typed data only; the modeling files build modules from these, ``pairin
 
 from __future__ import annotations
 
+import json
+
 from huggingface_hub.dataclasses import strict
 from transformers import PreTrainedConfig
 
 from hf_kvspec.heads.pairing import BaseModelRecord, describe_base_model
 
-_UNSAVED_BASE_FIELDS = ("architectures", "transformers_version", "auto_map", "dtype", "torch_dtype")
+_UNSAVED_BASE_FIELDS = ("architectures", "transformers_version", "auto_map", "dtype", "torch_dtype", "id2label",
+                        "label2id")
 
 
 @strict
@@ -92,6 +95,7 @@ class EagleConfig(DraftHeadConfig):
     def for_base_model(cls, base_model, name_or_path: str | None = None, revision: str | None = None, **kwargs):
         text_config = base_model.config.get_text_config()
         base = {k: v for k, v in text_config.to_dict().items() if not k.startswith("_") and k not in _UNSAVED_BASE_FIELDS}
+        base = json.loads(json.dumps(base))  # exactly what config.json will hold, so a reload compares equal
         kwargs.setdefault("rms_norm_eps", getattr(text_config, "rms_norm_eps", 1e-5))
         return super().for_base_model(base_model, name_or_path, revision, base_config=base, **kwargs)
 

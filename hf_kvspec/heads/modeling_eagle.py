@@ -44,6 +44,8 @@ def layer_config(config: EagleConfig, attn_implementation: str = "sdpa") -> PreT
         raise ValueError("EagleConfig.base_config is empty; build the config with EagleConfig.for_base_model(model).")
     fields = {k: v for k, v in config.base_config.items() if k not in ("architectures", "auto_map")}
     fields["num_hidden_layers"] = 1
+    if isinstance(fields.get("layer_types"), list):  # per-layer attention kinds: keep the first layer's
+        fields["layer_types"] = fields["layer_types"][:1]
     return AutoConfig.for_model(fields.pop("model_type"), attn_implementation=attn_implementation, **fields)
 
 

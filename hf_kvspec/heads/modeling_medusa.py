@@ -30,6 +30,7 @@ class ResidualBlock(nn.Module):
     def __init__(self, hidden_size: int):
         super().__init__()
         self.linear = nn.Linear(hidden_size, hidden_size)
+        self.linear.zero_init = True  # read by MedusaHeads._init_weights (Linear layers are initialised one by one)
         self.act = nn.SiLU()
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -78,10 +79,9 @@ class MedusaHeads(DraftHeadModel):
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
-        # children are visited before parents, so the block's zeros overwrite its Linear's default normal init
-        if isinstance(module, ResidualBlock):
-            init.zeros_(module.linear.weight)
-            init.zeros_(module.linear.bias)
+        if isinstance(module, nn.Linear) and getattr(module, "zero_init", False):
+            init.zeros_(module.weight)
+            init.zeros_(module.bias)
         else:
             super()._init_weights(module)
 
