@@ -13,20 +13,17 @@
     values (decode cost does not depend on them; a real 16k prefill would take minutes), then stock
     transformers attention and the absorbed forward alternate decode rounds on the same cache.
 
-Peak memory. Prefill: resident-set growth during the timed chunk, sampled every millisecond (glibc is
-told to return freed blocks at once, see ``_return_freed_memory``), whole model. Decode: transients
-of one attention call of one layer at that context (live torch tensors from the profiler's memory
-timeline, exact; the rest of a step is the same for every implementation). Both include eager's score
-matrix, ``repeat_kv`` copies and stock MLA's per-head expansion of the cached latents.
+Peak memory: transients of one attention call of one layer (prefill chunk / one decode token at that
+context), as live torch tensors from the profiler's memory timeline (exact); the rest of a forward is
+the same for every implementation. They include eager's score matrix, ``repeat_kv`` copies and stock
+MLA's per-head expansion of every cached latent.
 """
 
 from __future__ import annotations
 
-import ctypes
 import json
 import statistics
 import tempfile
-import threading
 import time
 import warnings
 from pathlib import Path
@@ -53,36 +50,6 @@ def add_arguments(parser) -> None:
     parser.add_argument("--skip-mla", action="store_true")
 
 
-class PeakRSS:
-    """Largest resident-set growth while inside the ``with`` block (Linux ``/proc/self/statm``)."""
-
-    def __init__(self, interval_s: float = 0.001):
-        self.interval_s, self.peak_bytes = interval_s, 0
-        self._page = 4096
-
-    @staticmethod
-    def _rss_pages() -> int:
-        return int(Path("/proc/self/statm").read_text().split()[1])
-
-    def _poll(self) -> None:
-        while not self._stop.is_set():
-            self._max = max(self._max, self._rss_pages())
-            time.sleep(self.interval_s)
-
-    def __enter__(self) -> PeakRSS:
-        self._start = self._max = self._rss_pages()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._poll, daemon=True)
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-        self._max = max(self._max, self._rss_pages())
-        self.peak_bytes = max(self.peak_bytes, (self._max - self._start) * self._page)
-
-
 def torch_peak_mib(fn) -> float:
     """Peak growth of live torch CPU tensors while ``fn()`` runs (profiler memory timeline, exact but slow)."""
     with warnings.catch_warnings():
@@ -96,14 +63,6 @@ def torch_peak_mib(fn) -> float:
             _, sizes = json.loads(path.read_text())
     totals = [sum(sample) for sample in sizes]
     return (max(totals) - totals[0]) / MIB
-
-
-def _return_freed_memory() -> None:
-    """glibc: serve every block >= 128 KiB by mmap and trim at once, so freed tensors leave the resident set
-    and the sampled RSS growth reflects each region's own transients (not reused, already-resident heap)."""
-    libc = ctypes.CDLL("libc.so.6")
-    libc.mallopt(-3, 128 * 1024)  # M_MMAP_THRESHOLD (fixed: disables glibc's dynamic raise)
-    libc.mallopt(-1, 0)  # M_TRIM_THRESHOLD
 
 
 def _decode(model, cache, first_token: torch.Tensor, steps: int) -> float:
@@ -158,12 +117,10 @@ def _gqa_context(model, args, context: int) -> dict:
     model.set_attn_implementation("kvspec_gqa")  # the shared context: untimed, lowest memory
     cache = _prefill(model, ids[:, : context - chunk], 2048) if context > chunk else None
     rows = {impl: {"prefill": [], "decode": []} for impl in GQA_IMPLS}
-    peaks = {impl: PeakRSS() for impl in GQA_IMPLS}
     for _ in range(args.prefill_repeats):
         for impl in GQA_IMPLS:
             model.set_attn_implementation(impl)
-            with peaks[impl]:
-                rows[impl]["prefill"].append(_timed_chunk(model, cache, ids[:, context - chunk:]))
+            rows[impl]["prefill"].append(_timed_chunk(model, cache, ids[:, context - chunk:]))
     cache = _prefill(model, ids[:, context - chunk:], chunk, cache)
     for _ in range(args.repeats):
         for impl in GQA_IMPLS:
@@ -174,29 +131,34 @@ def _gqa_context(model, args, context: int) -> dict:
         row = rows[impl]
         row["prefill_tok_s"] = chunk / statistics.median(row.pop("prefill"))
         row["decode_tok_s"] = args.decode_steps / statistics.median(row.pop("decode"))
-        row["prefill_peak_mib"] = peaks[impl].peak_bytes / MIB
-        row["decode_peak_mib"] = _gqa_call_peak(model, impl, context)
+        row["prefill_peak_mib"] = _gqa_call_peak(model, impl, chunk, context)
+        row["decode_peak_mib"] = _gqa_call_peak(model, impl, 1, context)
         row["prefill_tokens"] = chunk
     print(f"  gqa context {context} done", flush=True)
     return rows
 
 
-def _gqa_call_peak(model, impl: str, context: int) -> float:
-    """MiB of transients in one decode attention call of one layer at ``context`` (inputs pre-allocated).
+def _gqa_call_peak(model, impl: str, q_len: int, context: int) -> float:
+    """MiB of transients in one attention call of one layer: ``q_len`` new tokens, ``context`` keys.
 
-    Measured on the attention function alone: the rest of a decode step is the same for every
-    implementation, and DynamicCache's per-step ``torch.cat`` would blur the profiler's accounting.
+    Measured on the attention function alone, with pre-allocated inputs and the mask each implementation
+    receives from transformers (none for an unpadded decode step or an empty cache, else the causal 4D
+    mask): the rest of a forward is the same for every implementation.
     """
     from transformers import AttentionInterface
+    from transformers.masking_utils import causal_mask_function, eager_mask, sdpa_mask
     from transformers.models.llama.modeling_llama import eager_attention_forward
 
-    attn = model.model.layers[0].self_attn
-    config = model.config
+    attn, config = model.model.layers[0].self_attn, model.config
     head_dim = config.hidden_size // config.num_attention_heads
-    query = torch.randn(1, config.num_attention_heads, 1, head_dim)
+    query = torch.randn(1, config.num_attention_heads, q_len, head_dim)
     key, value = torch.randn(2, 1, config.num_key_value_heads, context, head_dim).unbind(0)
-    function = eager_attention_forward if impl == "eager" else AttentionInterface()[impl]
-    mask = torch.zeros(1, 1, 1, context) if impl == "eager" else None  # what each gets at decode, unpadded
+    sizes = dict(batch_size=1, q_length=q_len, kv_length=context, q_offset=context - q_len,
+                 mask_function=causal_mask_function)
+    if impl == "eager":
+        function, mask = eager_attention_forward, eager_mask(**sizes)
+    else:
+        function, mask = AttentionInterface()[impl], sdpa_mask(**sizes)
     return torch_peak_mib(lambda: function(attn, query, key, value, mask, scaling=attn.scaling))
 
 
@@ -324,12 +286,11 @@ def run(args) -> None:
         "Ratios are vs the baseline measured in the same run (gqa: sdpa, mla: stock); decode rounds alternate "
         "implementations; median of rounds. The machine was shared with other jobs: expect ±10% noise.",
         "prefill_tok_s: the last prefill_tokens of the context prefilled on a cache holding the rest (chunked "
-        "prefill at that depth). Peak MiB above the state before the call: prefill = resident-set growth "
-        "(1 ms sampling, whole model); decode = transients of one attention call of one layer (profiler).",
+        "prefill at that depth). Peak MiB: transients of one attention call of one layer (prefill chunk or one "
+        "decode token at that context; torch profiler memory timeline), per layer and call.",
         "MLA cache rows: bytes actually stored per token per layer (c_kv + k_rot, asserted equal to "
         "kv_cache_bytes) vs what per-head K/V of the same model would take.",
     ]
-    _return_freed_memory()
     results: dict = {}
     if not args.skip_gqa:
         _run_gqa(args, report, results)
