@@ -44,6 +44,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--kv-budget", default="1GiB", help="KV budget for the concurrency part")
     parser.add_argument("--prefix-len", type=int, default=1024)
     parser.add_argument("--ttft-repeats", type=int, default=2)
+    parser.add_argument("--plot-only", action="store_true", help="redraw paged.png from paged.json, measure nothing")
 
 
 # ---- decode -------------------------------------------------------------------------------------------
@@ -76,7 +77,7 @@ def _decode_rates(model, caches: dict, batch: int, steps: int, repeats: int) -> 
     return {name: batch * steps / statistics.median(times) for name, times in samples.items()}
 
 
-def decode_part(model, args, report: Report, plot: dict) -> None:
+def decode_part(model, args, report: Report) -> None:
     from transformers import DynamicCache
 
     register_paged_attention()
@@ -95,7 +96,6 @@ def decode_part(model, args, report: Report, plot: dict) -> None:
             for attn, rate in rates.items():
                 label = "gathered K/V + sdpa" if attn == "sdpa" else "kvspec_paged attention"
                 _add(report, "decode tok/s", f"bs={batch} S={length}, {label}", base, rate, rate / base, "decode")
-                plot.setdefault(attn, []).append((f"bs{batch}\nS{length}", rate / base))
 
 
 # ---- utilisation and concurrency (the real allocator over simulated lengths) -----------------------------
@@ -118,7 +118,7 @@ def allocate(lengths: list[int], block_size: int, num_blocks: int) -> tuple[int,
     return tables.num_rows, tables
 
 
-def memory_part(model, args, report: Report, plot: dict) -> None:
+def memory_part(model, args, report: Report) -> None:
     lengths = lognormal_lengths(args.num_seqs)
     tokens, longest = sum(lengths), max(lengths)
     for block in (8, 16, 32, 64):
@@ -128,7 +128,6 @@ def memory_part(model, args, report: Report, plot: dict) -> None:
         static = tokens / (len(lengths) * longest)
         _add(report, "slot utilisation", f"{len(lengths)} log-normal seqs, block={block}", static, utilisation,
              utilisation / static, "utilisation" if block == args.block_size else None, value_target=True)
-        plot.setdefault("utilisation", []).append((block, utilisation))
 
     from hf_kvspec.memory import parse_bytes
 
@@ -139,11 +138,10 @@ def memory_part(model, args, report: Report, plot: dict) -> None:
     static_rows = budget // (per_token * longest)
     _add(report, "concurrent seqs", f"{args.kv_budget} KV fp32, block={args.block_size}, StaticCache rows of "
          f"{longest} tokens", static_rows, admitted, admitted / max(static_rows, 1), "concurrency")
-    plot["concurrency"] = (static_rows, admitted)
 
 
 # ---- time to first token with a shared prefix ------------------------------------------------------------
-def ttft_part(model, tokenizer, args, report: Report, plot: dict) -> None:
+def ttft_part(model, tokenizer, args, report: Report) -> None:
     torch.manual_seed(0)
     prefix = torch.randint(100, model.config.vocab_size, (1, args.prefix_len))
 
@@ -168,7 +166,6 @@ def ttft_part(model, tokenizer, args, report: Report, plot: dict) -> None:
     cold_s, warm_s = cold[len(cold) // 2], warm[len(warm) // 2]
     _add(report, "TTFT s", f"{args.prefix_len}-token shared prefix + 32-token tail (cold / warm)", cold_s, warm_s,
          cold_s / warm_s, "ttft")
-    plot["ttft"] = (cold_s, warm_s)
 
 
 # ---- report ---------------------------------------------------------------------------------------------
@@ -180,6 +177,8 @@ def _add(report, part, setting, baseline, paged, ratio, target_key, value_target
 
 
 def run(args) -> None:
+    if args.plot_only:
+        return plot_from_json()
     from hf_kvspec.models import load_bundled_model
 
     model, tokenizer = load_bundled_model()
@@ -198,33 +197,58 @@ def run(args) -> None:
         "machine was shared with ~6 other jobs, and wall time mostly measured their load (wall-clock ratios of the "
         "same runs swung by +-20%). With one torch thread, CPU time equals wall time on an idle machine.",
     ]
-    plot: dict = {}
-    memory_part(model, args, report, plot)
-    ttft_part(model, tokenizer, args, report, plot)
-    decode_part(model, args, report, plot)
+    memory_part(model, args, report)
+    ttft_part(model, tokenizer, args, report)
+    decode_part(model, args, report)
     report.write()
-    save_plot("paged", lambda fig: _draw(fig, plot))
+    plot_from_json()
 
 
 def _draw(fig, plot: dict) -> None:
-    ax = fig.add_subplot(1, 3, 1)
-    for offset, (attn, label) in enumerate(((("sdpa"), "gathered + sdpa"), (ATTN_NAME, "kvspec_paged"))):
-        points = plot.get(attn, [])
-        ax.bar([i + 0.4 * offset for i in range(len(points))], [r for _, r in points], width=0.4, label=label)
+    ax = fig.add_subplot(2, 2, 1)
     names = [n for n, _ in plot.get("sdpa", [])]
+    for offset, (attn, label) in enumerate((("sdpa", "gathered K/V + sdpa"), (ATTN_NAME, "kvspec_paged"))):
+        ratios = [r for _, r in plot.get(attn, [])]
+        ax.bar([i + 0.4 * offset for i in range(len(ratios))], ratios, width=0.4, label=label)
     ax.set_xticks([i + 0.2 for i in range(len(names))], names, fontsize=7)
     ax.axhline(TARGETS["decode"], color="red", linestyle="--", linewidth=1)
-    ax.set_title("decode tok/s vs DynamicCache", fontsize=9)
-    ax.legend(fontsize=7)
-    ax = fig.add_subplot(1, 3, 2)
+    ax.set_title("decode tok/s / DynamicCache's", fontsize=9)
+    ax.legend(fontsize=7, loc="lower right")
+    ax = fig.add_subplot(2, 2, 2)
     blocks, util = zip(*plot["utilisation"])
     ax.plot(blocks, util, marker="o")
     ax.axhline(TARGETS["utilisation"], color="red", linestyle="--", linewidth=1)
     ax.set_xscale("log", base=2)
-    ax.set_xlabel("block size")
-    ax.set_title("slot utilisation (log-normal mix)", fontsize=9)
-    ax = fig.add_subplot(1, 3, 3)
+    ax.set_xlabel("block size", fontsize=8)
+    ax.set_title("slot utilisation, log-normal lengths", fontsize=9)
+    ax = fig.add_subplot(2, 2, 3)
     static, admitted = plot["concurrency"]
+    ax.bar(["StaticCache", "PagedCache"], [static, admitted], color=["grey", "tab:blue"])
+    ax.set_title("sequences admitted in the same KV budget", fontsize=9)
+    ax = fig.add_subplot(2, 2, 4)
     cold, warm = plot["ttft"]
-    ax.bar(["Static\nseqs", "Paged\nseqs"], [static, admitted], color=["grey", "tab:blue"])
-    ax.set_title(f"seqs in budget; TTFT cold {cold:.2f}s / warm {warm:.2f}s", fontsize=8)
+    ax.bar(["cold", "warm (prefix cached)"], [cold, warm], color=["grey", "tab:blue"])
+    ax.set_ylabel("CPU s", fontsize=8)
+    ax.set_title("time to first token, shared 1k prefix", fontsize=9)
+
+
+def plot_from_json(path=None) -> None:
+    """Redraw ``paged.png`` from the rows of a previous run's ``paged.json``."""
+    import json
+
+    from bench.harness import RESULTS_DIR
+
+    rows = json.loads((path or RESULTS_DIR / "paged.json").read_text())["rows"]
+    plot: dict = {"utilisation": []}
+    for row in rows:
+        if row["part"] == "decode tok/s":
+            attn = "sdpa" if "gathered" in row["setting"] else ATTN_NAME
+            batch, length = row["setting"].split(",")[0].split()
+            plot.setdefault(attn, []).append((f"{batch.replace('=', '')}\n{length.replace('=', '')}", row["ratio"]))
+        elif row["part"] == "slot utilisation":
+            plot["utilisation"].append((int(row["setting"].rsplit("=", 1)[1]), row["paged"]))
+        elif row["part"] == "concurrent seqs":
+            plot["concurrency"] = (row["baseline"], row["paged"])
+        elif row["part"] == "TTFT s":
+            plot["ttft"] = (row["baseline"], row["paged"])
+    save_plot("paged", lambda fig: _draw(fig, plot))
