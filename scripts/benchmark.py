@@ -24,6 +24,8 @@ SUBCOMMANDS: dict[str, str] = {
     "generate": "bench.generate",
     "paged": "bench.paged",
     "attention": "bench.attention",
+    "kvquant": "bench.kvquant",
+    "spec": "bench.spec",
 }
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 from transformers import DynamicCache
 
 import hf_kvspec
@@ -31,7 +30,7 @@ def models():
 
 def test_non_croppable_cache_is_refused(models):
     target, drafts = models
-    ids, mask = batch(1)
+    ids, _mask = batch(1)
     with pytest.raises(ValueError, match="_NoCrop cannot be cropped"):
         target.generate(ids, max_new_tokens=4, custom_generate=hf_kvspec.speculative_generate,
                         assistant=hf_kvspec.DraftModelAssistant(drafts["right"]), cache=_NoCrop(config=target.config))

@@ -47,7 +47,7 @@ def test_stop_strings_via_enable(setup):
 
 
 def test_stop_string_criteria_via_custom_generate(setup):
-    tokenizer, target, draft, ids, mask, stop, free = setup
+    tokenizer, target, draft, ids, mask, stop, _free = setup
     expected = target.generate(ids, **_kwargs(ids, mask), stop_strings=[stop], tokenizer=tokenizer)
     criteria = StoppingCriteriaList([StopStringCriteria(tokenizer, [stop])])
     out = target.generate(ids, **_kwargs(ids, mask), stopping_criteria=criteria,

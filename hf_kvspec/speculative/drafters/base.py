@@ -110,5 +110,5 @@ class Drafter(abc.ABC):
         if self.auto is not None:
             self.auto.update(outcome)
 
-    def end(self) -> None:
+    def end(self) -> None:  # noqa: B027 - optional hook, stateless drafters keep the no-op
         """Called once when the ``generate`` call finishes: drop per-call state (caches)."""
