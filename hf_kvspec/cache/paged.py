@@ -76,8 +76,9 @@ class PagedLayer(CacheLayerMixin):
     def write(self, slots: torch.Tensor, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Scatter new K/V ``[B, Hkv, T, D]`` into flat slots ``[B·T]`` (slot = block · P + offset)."""
         for pages, states in ((self.keys, key_states), (self.values, value_states)):
-            flat = states.transpose(1, 2).reshape(-1, *states.shape[1:2], states.shape[-1])  # [B·T, Hkv, D]
-            pages.view(-1, *pages.shape[2:]).index_copy_(0, slots, flat)
+            batch, heads, tokens, dim = states.shape
+            flat = states.transpose(1, 2).reshape(batch * tokens, heads, dim)  # [B·T, Hkv, D], slot order
+            pages.view(-1, heads, dim).index_copy_(0, slots, flat)
         self.cumulative_length += key_states.shape[-2]
 
     def gather(self, view: PagedKV) -> tuple[torch.Tensor, torch.Tensor]:

@@ -13,6 +13,7 @@ from transformers import DynamicCache
 from hf_kvspec.attention.paged import ATTN_NAME, register_paged_attention, unregister_paged_attention
 from hf_kvspec.cache.block_pool import OutOfBlocksError
 from hf_kvspec.cache.paged import PagedCache
+from hf_kvspec.memory import kv_bytes_per_token
 from tests.tiny_models import left_padded_batch, tiny_model
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15], [3, 4, 5], [7, 30, 31, 7, 40, 41, 42, 43, 44, 45, 46, 47, 48], [9, 8]]
@@ -74,6 +75,16 @@ def test_gemma_style_config_with_gathered_kv():
     cache = PagedCache(model("gemma2").config, block_size=16, num_blocks=16)
     assert cache.is_sliding == [True, False]  # Gemma-2 alternates sliding and global layers
     assert torch.equal(generate("gemma2", 4, cache), reference("gemma2", 4))
+
+
+def test_mla_latent_cache_is_paged_too():
+    """DeepSeek-V3 caches its latent (c_kv in the key slot, k_rope in the value slot): pages follow those shapes."""
+    config = model("deepseek_v3").config
+    cache = PagedCache(config, block_size=4, num_blocks=32)
+    assert torch.equal(generate("deepseek_v3", 4, cache), reference("deepseek_v3", 4))
+    assert cache.layers[0].keys.shape[1:] == (4, 1, config.kv_lora_rank)
+    assert cache.layers[0].values.shape[1:] == (4, 1, config.qk_rope_head_dim)
+    assert cache.nbytes() == kv_bytes_per_token(config, torch.float32) * 4 * 32  # budget arithmetic = storage
 
 
 @pytest.mark.parametrize("kind", ["llama", "mistral"])
