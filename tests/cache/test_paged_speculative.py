@@ -77,3 +77,15 @@ def test_crop_on_rejection_frees_blocks(models):
     assert len(full_rejections) >= 5
     assert all(blocks >= 2 for blocks in full_rejections)  # 5 tokens span >= 2 blocks of 2
     assert cache.num_used_blocks() == -(-cache.get_seq_length() // 2)
+
+
+def test_transformers_assisted_decoding_on_paged_cache(models):
+    """transformers' built-in assisted generation (assistant_model=, batch 1) crops the cache it is given."""
+    target, drafts = models
+    ids, mask = batch(1)
+    expected = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=MAX_NEW, pad_token_id=0)
+    cache = PagedCache(target.config, block_size=4, num_blocks=64)
+    out = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=MAX_NEW, pad_token_id=0,
+                          assistant_model=drafts["wrong"], cache=cache)
+    assert torch.equal(out, expected)
+    assert cache.num_used_blocks() == -(-cache.get_seq_length() // 4)
