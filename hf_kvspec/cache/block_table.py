@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from .block_pool import BlockPool, OutOfBlocksError
-from .prefix_hash import block_hashes
+from .prefix_hash import block_hashes, root_hash
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -34,12 +34,13 @@ class BlockTables:
         self.pool = pool
         self.block_size = pool.block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.salt = salt
+        self.salt = salt  # default tenant salt of new rows; set_tokens() may give a row its own
         self._tables: list[list[int]] = []
         self._lengths: list[int] = []
         self._tokens: list[list[int]] = []  # known token ids per row; may run ahead of the length
         self._padding: list[list[bool]] = []  # per known token: True where the column is left padding
         self._hashes: list[list[bytes]] = []
+        self._salts: list[str | None] = []
         self.prefix_queried_blocks = 0
         self.prefix_hit_blocks = 0
 
@@ -76,6 +77,7 @@ class BlockTables:
             self._tokens.append([])
             self._padding.append([])
             self._hashes.append([])
+            self._salts.append(self.salt)
 
     def release_all(self) -> None:
         """Free every row's blocks (tail first); cached blocks stay in the prefix index."""
@@ -85,6 +87,7 @@ class BlockTables:
 
     def _clear_rows(self) -> None:
         self._tables, self._lengths, self._tokens, self._padding, self._hashes = [], [], [], [], []
+        self._salts = []
 
     def fork(self, row: int) -> int:
         """A new row sharing all of ``row``'s blocks (ref += 1 each); returns its index."""
@@ -110,6 +113,7 @@ class BlockTables:
         self._tokens = [list(self._tokens[i]) for i in indices]
         self._padding = [list(self._padding[i]) for i in indices]
         self._hashes = [list(self._hashes[i]) for i in indices]
+        self._salts = [self._salts[i] for i in indices]
         self._tables = tables
 
     # ---- growth and rollback -------------------------------------------------------------------
@@ -164,10 +168,17 @@ class BlockTables:
         del self._hashes[row][new_length // self.block_size:]
 
     # ---- prefix caching ------------------------------------------------------------------------
-    def set_tokens(self, row: int, token_ids: Sequence[int], padding: Sequence[bool] | None = None) -> None:
-        """Declare the token ids row ``row`` holds / will hold (enables hashing its full blocks)."""
+    def set_tokens(self, row: int, token_ids: Sequence[int], padding: Sequence[bool] | None = None,
+                   salt: str | None = None) -> None:
+        """Declare the token ids row ``row`` holds / will hold (enables hashing its full blocks).
+
+        ``salt`` overrides the tables' default tenant salt for this row (a per-request ``cache_salt``).
+        """
         if self._lengths[row] > 0:
             raise ValueError("set_tokens() must be called on an empty row (before its first token is stored).")
+        if salt is not None:
+            root_hash(salt)  # validates it
+            self._salts[row] = salt
         self._tokens[row] = list(token_ids)
         self._padding[row] = list(padding) if padding is not None else [False] * len(token_ids)
 
@@ -188,7 +199,7 @@ class BlockTables:
         """Cached blocks holding the longest full-block prefix of ``row``'s tokens, up to ``max_tokens``."""
         usable = min(max_tokens, len(self._tokens[row]))
         hashes = block_hashes(
-            self._tokens[row][:usable], self.block_size, self._padding[row][:usable], salt=self.salt
+            self._tokens[row][:usable], self.block_size, self._padding[row][:usable], salt=self._salts[row]
         )
         blocks = []
         for block_hash in hashes:
@@ -217,7 +228,7 @@ class BlockTables:
         if full <= len(done):
             return
         new = block_hashes(
-            self._tokens[row][: full * self.block_size], self.block_size, self._padding[row], salt=self.salt,
+            self._tokens[row][: full * self.block_size], self.block_size, self._padding[row], salt=self._salts[row],
             start=len(done), parent=done[-1] if done else None,
         )
         for index, block_hash in enumerate(new, start=len(done)):

@@ -115,7 +115,8 @@ class PagedCache(Cache):
         num_blocks: physical blocks ``N`` in the pool; ``None`` sizes it from ``memory_budget``.
         enable_prefix_caching: index full prompt blocks by chained SHA-256 hash for reuse across calls
             (see ``load_prefix``).
-        cache_salt: per-tenant salt of the hash chain; different salts never share blocks.
+        cache_salt: default per-tenant salt of the hash chain (``load_prefix`` can override it per request);
+            different salts never share blocks.
         memory_budget: bytes (int or e.g. ``"2GiB"``) for the pages when ``num_blocks`` is None; default:
             a quarter of the free CUDA memory when CUDA is available, else of the free host memory.
         dtype: dtype used to size the pool from the budget (default: the config's, else float32). Pages
@@ -226,12 +227,15 @@ class PagedCache(Cache):
             layer.cumulative_length = length
 
     # ---- prefix reuse --------------------------------------------------------------------------
-    def load_prefix(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> int:
+    def load_prefix(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                    cache_salt: str | None = None) -> int:
         """Start a new request: release the current rows, attach cached prefix blocks of ``input_ids``.
 
         Returns the number of leading tokens per row that the next ``generate(input_ids, attention_mask=...,
         cache=self)`` will not prefill (a multiple of ``block_size``, the same for every row, at most
         ``input_ids.shape[1] - 1``). Pass the same ``attention_mask`` to both calls when rows are padded.
+        ``cache_salt`` is this request's tenant salt (default: the cache's); blocks are shared only
+        between requests with the same salt.
         """
         if not self.tables.enable_prefix_caching:
             raise ValueError("load_prefix() needs PagedCache(..., enable_prefix_caching=True).")
@@ -243,7 +247,7 @@ class PagedCache(Cache):
         self.tables.add_rows(len(token_rows))
         matches = []
         for row, (tokens, pads) in enumerate(zip(token_rows, padding)):
-            self.tables.set_tokens(row, tokens, pads)
+            self.tables.set_tokens(row, tokens, pads, salt=cache_salt)
             matches.append(self.tables.match_prefix(row, max_tokens=len(tokens) - 1))
         shared = min(len(blocks) for blocks, _ in matches)  # rows share one length
         for row, (blocks, hashes) in enumerate(matches):

@@ -169,6 +169,19 @@ class PagedBookkeeping(RuleBasedStateMachine):
         self.known.append(list(prompt))
         assert self._read(row) == self.rows[row]  # a prefix hit serves exactly the prompt's tokens
 
+    @rule(prompt=st.sampled_from(_BASES))
+    def other_tenant_never_hits(self, prompt):
+        """Same tokens under another salt: no hit; under the same (default) salt: the same hashes."""
+        other = BlockTables(self.pool, enable_prefix_caching=True, salt="other-tenant")
+        other.add_rows(1)
+        other.set_tokens(0, prompt)
+        assert other.match_prefix(0, len(prompt)) == ([], [])
+        same = BlockTables(self.pool, enable_prefix_caching=True)
+        same.add_rows(1)
+        same.set_tokens(0, prompt)
+        _, hashes = same.match_prefix(0, len(prompt))
+        assert hashes == block_hashes(prompt, BLOCK)[: len(hashes)]
+
     @precondition(lambda self: self.rows)
     @rule(data=st.data(), count=st.integers(1, 5))
     def append(self, data, count):

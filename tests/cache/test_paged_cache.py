@@ -242,6 +242,17 @@ def test_prefix_reuse_with_left_padding_and_salt():
     assert other.load_prefix(ids, mask) == 0
 
 
+def test_per_request_salt_overrides_the_cache_default():
+    m = model("llama")
+    cache = PagedCache(m.config, block_size=4, num_blocks=64, enable_prefix_caching=True)
+    ids = torch.tensor([list(range(10, 23))])  # 13 tokens: 3 full blocks within the first 12
+    for salt, expected_skip in (("alice", 0), ("bob", 0), ("alice", 12), (None, 0), ("bob", 12)):
+        assert cache.load_prefix(ids, cache_salt=salt) == expected_skip
+        m.generate(ids, cache=cache, max_new_tokens=2, do_sample=False)
+    with pytest.raises(ValueError, match="cache_salt"):
+        cache.load_prefix(ids, cache_salt="")
+
+
 def test_load_prefix_requires_prefix_caching():
     with pytest.raises(ValueError, match="enable_prefix_caching"):
         PagedCache(model("llama").config, num_blocks=4).load_prefix(torch.tensor([[1, 2, 3]]))
