@@ -1,0 +1,307 @@
+"""Quantized KV caches on real text: Δppl through the cache, bytes at 4k tokens, decode speed, greedy agreement.
+
+    python scripts/benchmark.py kvquant                 # full run (~10 min on one busy CPU thread)
+    python scripts/benchmark.py kvquant --quick         # smoke run (~1 min)
+
+Model: the bundled SmolLM2-135M-Instruct (fp32). Text: held-out files of the ``python-docs`` corpus (Python 3.11
+documentation, reST, from Debian's python3.11-doc; ``hf_kvspec.corpus``). Every cache is compared with
+DynamicCache measured in the same run:
+
+* perplexity: teacher-forced *decoding* — prefill ``--prefix`` tokens, then feed the rest of each segment in
+  chunks of ``--chunk`` tokens, so every predicted token attends to a quantized history (the window holds the
+  newest 128 tokens);
+* bytes: ``nbytes()`` of a cache filled with 4096 tokens, vs DynamicCache in fp32 (the bundled model's dtype)
+  and in fp16 (the usual serving dtype; the window is then fp16 too); checked against ``kv_cache_bytes``;
+* decode speed: greedy single-token steps after a ``--context``-token real-text prompt, for DynamicCache,
+  ours and transformers' ``QuantizedCache`` (quanto backend, same bits / group / residual) when installed;
+* agreement: greedy continuations of ``--new-tokens`` tokens for ``--prompts`` real-text prompts (one left-padded
+  batch), position-wise token agreement and mean first-divergence index vs DynamicCache.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+
+from bench.harness import Report, save_plot
+
+# name -> QuantizedKVCache settings (the CLI's --cache names); kivi2 uses the paper's group 32
+CACHES = {
+    "kivi4": dict(method="kivi", bits=4, group_size=64, residual_length=128),
+    "kivi2": dict(method="kivi", bits=2, group_size=32, residual_length=128),
+    "kivi2-sinks": dict(method="kivi", bits=2, group_size=32, residual_length=128, sink_tokens=4),
+    "int8": dict(method="int8"),
+    "fp8": dict(method="fp8"),
+}
+TARGETS = {"kivi4": (3.4, 1.0), "kivi2": (5.0, 5.0)}  # (min bytes ratio vs fp16, max Δppl %)
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, for a smoke run")
+    parser.add_argument("--segments", type=int, default=2, help="perplexity segments (one per document)")
+    parser.add_argument("--segment-len", type=int, default=768)
+    parser.add_argument("--prefix", type=int, default=128, help="tokens prefilled before chunked decoding")
+    parser.add_argument("--chunk", type=int, default=16, help="tokens per teacher-forced decoding forward")
+    parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096],
+                        help="cached tokens when timing decode steps")
+    parser.add_argument("--decode-steps", type=int, default=16, help="timed decode steps per cache and context "
+                        "(transformers' QuantizedCache gets residual_length + 2, so that one of its flushes is timed)")
+    parser.add_argument("--prompts", type=int, default=20)
+    parser.add_argument("--prompt-len", type=int, default=192, help="longest prompt (rows are 50-100%% of it)")
+    parser.add_argument("--new-tokens", type=int, default=128)
+
+
+def run(args) -> None:
+    if args.quick:
+        args.segments, args.segment_len, args.prefix, args.contexts = 1, 320, 128, [256]
+        args.decode_steps, args.prompts, args.prompt_len, args.new_tokens = 4, 4, 64, 16
+    from hf_kvspec import load_bundled_model
+    from hf_kvspec.corpus import load_text_corpus
+
+    model, tokenizer = load_bundled_model()
+    docs = [tokenizer(text, return_tensors="pt").input_ids[0] for text in load_text_corpus("python-docs", "test")["text"]]
+    report = Report("kvquant", "Quantized KV caches on real text (bundled SmolLM2-135M, python-docs test split)",
+                    ["cache", "settings", "ppl", "Δppl %", "bytes ratio vs fp16", "bytes ratio vs fp32",
+                     *[f"{metric} @{ctx}" for ctx in args.contexts
+                       for metric in ("ms/token", "speed vs dynamic", "speed vs quanto")],
+                     "greedy agreement", "first divergence"],
+                    settings={k: v for k, v in vars(args).items() if k != "func"})
+    report.notes.append("Machine shared with other jobs (2 cores, ~6 processes): timings are noisy; compare "
+                        "ratios within the run. torch threads = 1.")
+    segments = _segments(docs, args.segments, args.segment_len)
+    with torch.inference_mode():
+        rows = _measure_all(model, docs, segments, args, report)
+    for row in rows:
+        report.add(**row)
+    _target_notes(report, rows)
+    report.write()
+    save_plot("kvquant", lambda fig: _draw(fig, rows))
+
+
+# ---------------------------------------------------------------------------------------------------- caches
+def _make(name, config):
+    from transformers import DynamicCache
+
+    from hf_kvspec.cache.quantized import QuantizedKVCache
+
+    if name == "dynamic":
+        return DynamicCache(config=config)
+    if name == "quanto-kivi4":
+        from transformers import QuantizedCache
+
+        s = CACHES["kivi4"]
+        return QuantizedCache("quanto", config, nbits=s["bits"], q_group_size=s["group_size"],
+                              residual_length=s["residual_length"])
+    return QuantizedKVCache(config, **CACHES[name])
+
+
+def _quanto_status(config) -> str | None:
+    """None when transformers' quanto-backed QuantizedCache works here, else why not."""
+    try:
+        _make("quanto-kivi4", config)
+        import optimum.quanto  # noqa: F401
+    except (ImportError, RuntimeError, ValueError) as err:
+        return f"{type(err).__name__}: {err}"
+    return None
+
+
+def _measure_all(model, docs, segments, args, report) -> list[dict]:
+    config = model.config
+    quanto_error = _quanto_status(config)
+    if quanto_error:
+        report.notes.append(f"transformers QuantizedCache (quanto) unavailable, not compared: {quanto_error}")
+    names = ["dynamic", *CACHES] + ([] if quanto_error else ["quanto-kivi4"])
+    print(f"perplexity on {len(segments)} segments of {args.segment_len} tokens", flush=True)
+    ppl = {name: _perplexity(model, segments, name, args) for name in names}
+    print("decode speed", flush=True)
+    speed = _decode_speeds(model, _prompt(docs, max(args.contexts)), names, args)
+    print("greedy agreement", flush=True)
+    batch = _prompt_batch(docs, args.prompts, args.prompt_len)
+    greedy = {name: _greedy(model, batch, name, args.new_tokens) for name in ["dynamic", *CACHES]}
+    ratios = {name: _bytes_ratios(config, name) for name in ["dynamic", *CACHES]}
+    rows = []
+    for name in names:
+        agreement, divergence = _agreement(greedy.get(name), greedy["dynamic"], batch[0].shape[1])
+        fp16, fp32 = ratios.get(name, (None, None))
+        rows.append({
+            "cache": name, "settings": _describe(name), "ppl": ppl[name],
+            "Δppl %": 100 * (ppl[name] / ppl["dynamic"] - 1),
+            "bytes ratio vs fp16": fp16, "bytes ratio vs fp32": fp32,
+            "greedy agreement": agreement, "first divergence": divergence,
+        })
+        for ctx, times in speed.items():
+            rows[-1][f"ms/token @{ctx}"] = 1000 * times[name]
+            rows[-1][f"speed vs dynamic @{ctx}"] = times["dynamic"] / times[name]
+            rows[-1][f"speed vs quanto @{ctx}"] = times["quanto-kivi4"] / times[name] if "quanto-kivi4" in times \
+                else None
+    return rows
+
+
+def _describe(name: str) -> str:
+    if name == "dynamic":
+        return "full precision"
+    if name == "quanto-kivi4":
+        return "transformers QuantizedCache(quanto), 4 bit, group 64, residual 128"
+    return ", ".join(f"{k}={v}" for k, v in CACHES[name].items())
+
+
+# ---------------------------------------------------------------------------------------------------- measurements
+def _segments(docs, count: int, length: int) -> list[torch.Tensor]:
+    long_docs = [d[:length] for d in docs if d.shape[0] >= length]
+    if len(long_docs) < count:
+        raise RuntimeError(f"only {len(long_docs)} test documents have {length} tokens; lower --segment-len.")
+    return [d[None] for d in long_docs[:count]]  # [1, L] each
+
+
+def _perplexity(model, segments, name, args) -> float:
+    """exp(mean NLL) of every token after the prefix, predicted while decoding the segment chunk by chunk."""
+    nll, count = 0.0, 0
+    for ids in segments:
+        cache = _make(name, model.config)
+        logits = model(ids[:, :args.prefix], cache=cache).logits[:, -1:]
+        for start in range(args.prefix, ids.shape[1], args.chunk):
+            chunk = ids[:, start:start + args.chunk]
+            chunk_logits = model(chunk, cache=cache).logits
+            predicting = torch.cat([logits, chunk_logits[:, :-1]], dim=1)  # logits that predict `chunk`
+            nll += torch.nn.functional.cross_entropy(predicting[0].float(), chunk[0], reduction="sum").item()
+            count += chunk.shape[1]
+            logits = chunk_logits[:, -1:]
+    value = math.exp(nll / count)
+    print(f"  {name}: ppl {value:.4f}", flush=True)
+    return value
+
+
+def _prompt(docs, length: int) -> torch.Tensor:
+    text = torch.cat(docs[::-1])  # starts with documents not used for perplexity
+    if text.shape[0] < length:
+        raise RuntimeError(f"not enough held-out text for a {length}-token prompt; lower --contexts.")
+    return text[None, :length]
+
+
+def _decode_speeds(model, prompt, names, args) -> dict[int, dict[str, float]]:
+    """{context: {cache: seconds per greedy single-token step}}.
+
+    One DynamicCache prefill of the longest context; every cache is then filled from its keys/values with one
+    ``update`` per layer (what its own prefill would store, minus the prefill forward, which is not timed).
+    The caches take turns in rounds of steps, so that load changes on the shared machine hit all of them."""
+    from transformers import DynamicCache
+
+    full = DynamicCache(config=model.config)
+    model(prompt, cache=full)
+    out = {}
+    for ctx in args.contexts:
+        caches, tokens, seconds, steps = {}, {}, dict.fromkeys(names, 0.0), {}
+        for name in names:
+            caches[name] = _make(name, model.config)
+            for idx, layer in enumerate(full.layers):
+                caches[name].update(layer.keys[:, :, :ctx], layer.values[:, :, :ctx], idx)
+            tokens[name] = prompt[:, ctx - 1:ctx]
+            steps[name] = args.decode_steps if name != "quanto-kivi4" else CACHES["kivi4"]["residual_length"] + 2
+        rounds = 4
+        for r in range(rounds):
+            for name in names:
+                count = steps[name] // rounds + (steps[name] % rounds if r == rounds - 1 else 0)
+                start = time.perf_counter()
+                for _ in range(count):
+                    tokens[name] = model(tokens[name], cache=caches[name]).logits[:, -1:].argmax(-1)
+                seconds[name] += time.perf_counter() - start
+        out[ctx] = {name: seconds[name] / steps[name] for name in names}
+        print("  " + "  ".join(f"{name}@{ctx}: {1000 * t:.1f} ms" for name, t in out[ctx].items()), flush=True)
+    return out
+
+
+def _prompt_batch(docs, count: int, length: int):
+    """(input_ids, attention_mask) [count, length]: one prompt per document, cut at a random-but-seeded
+    offset and length in [length/2, length], left padded (rows of uneven length, as in real batches)."""
+    gen = torch.Generator().manual_seed(0)
+    usable = [d for d in docs if d.shape[0] >= 2 * length][:count]
+    if len(usable) < count:
+        raise RuntimeError(f"only {len(usable)} documents are long enough for {count} prompts; lower --prompts.")
+    ids = torch.zeros(count, length, dtype=torch.long)
+    mask = torch.zeros(count, length, dtype=torch.long)
+    for row, doc in enumerate(usable):
+        size = int(torch.randint(length // 2, length + 1, (), generator=gen))
+        offset = int(torch.randint(0, doc.shape[0] - size + 1, (), generator=gen))
+        ids[row, length - size:] = doc[offset:offset + size]
+        mask[row, length - size:] = 1
+    return ids, mask
+
+
+def _greedy(model, batch, name, new_tokens: int) -> torch.Tensor:
+    ids, mask = batch
+    out = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                         pad_token_id=0, cache=_make(name, model.config))
+    print(f"  {name}: generated {out.shape[1] - ids.shape[1]} tokens x {ids.shape[0]} prompts", flush=True)
+    return out
+
+
+def _agreement(tokens, reference, prompt_len: int):
+    """(share of positions with the same token, mean index of the first differing token) over new tokens."""
+    if tokens is None:
+        return None, None
+    new, ref = tokens[:, prompt_len:], reference[:, prompt_len:]
+    same = new == ref
+    first = torch.where(same.all(1), same.shape[1], (~same).int().argmax(1))
+    return same.float().mean().item(), first.float().mean().item()
+
+
+def _bytes_ratios(config, name: str):
+    """DynamicCache bytes / this cache's measured bytes at 4096 tokens, for fp16 and fp32 storage."""
+    from hf_kvspec.memory import kv_cache_bytes
+
+    ratios = []
+    for dtype in (torch.float16, torch.float32):
+        dense = kv_cache_bytes(config, 4096, dtype=dtype)
+        ratios.append(dense / _filled_nbytes(config, name, dtype, 4096))
+    return tuple(ratios)
+
+
+def _filled_nbytes(config, name: str, dtype, tokens: int) -> int:
+    """nbytes() of a cache filled with random states (checked against kv_cache_bytes)."""
+    from hf_kvspec.memory import head_dim, kv_cache_bytes, num_kv_heads
+
+    if name == "dynamic":
+        return kv_cache_bytes(config, tokens, dtype=dtype)
+    cache = _make(name, config)
+    shape = (1, num_kv_heads(config), tokens, head_dim(config))
+    for layer in range(config.num_hidden_layers):
+        cache.update(torch.randn(shape).to(dtype), torch.randn(shape).to(dtype), layer)
+    sinks = cache.settings.sink_tokens  # kept at full precision, ahead of the windowed/quantized tokens
+    expected = kv_cache_bytes(config, tokens - sinks, dtype=dtype, **cache.settings.memory_kwargs()) + \
+        kv_cache_bytes(config, sinks, dtype=dtype)
+    if cache.nbytes() != expected:
+        raise AssertionError(f"{name}: nbytes() {cache.nbytes()} != kv_cache_bytes {expected}")
+    return expected
+
+
+# ---------------------------------------------------------------------------------------------------- report
+def _target_notes(report, rows) -> None:
+    by_name = {row["cache"]: row for row in rows}
+    for name, (min_ratio, max_dppl) in TARGETS.items():
+        row = by_name[name]
+        report.notes.append(
+            f"target {name}: bytes ≥ {min_ratio}x smaller than fp16 DynamicCache at 4k -> "
+            f"{row['bytes ratio vs fp16']:.2f}x ({'met' if row['bytes ratio vs fp16'] >= min_ratio else 'MISSED'}); "
+            f"Δppl ≤ {max_dppl}% -> {row['Δppl %']:.2f}% ({'met' if row['Δppl %'] <= max_dppl else 'MISSED'})")
+    for key in (k for k in by_name["kivi4"] if k.startswith("speed vs quanto")):
+        speed = by_name["kivi4"][key]
+        if speed is not None:
+            report.notes.append(f"target kivi4 decode ≥ 1.5x transformers QuantizedCache(quanto), {key}: "
+                                f"{speed:.2f}x ({'met' if speed >= 1.5 else 'MISSED'})")
+
+
+def _draw(fig, rows) -> None:
+    ours = [row for row in rows if row["bytes ratio vs fp16"] is not None and row["cache"] != "dynamic"]
+    ax = fig.add_subplot(1, 2, 1)
+    ax.scatter([r["bytes ratio vs fp16"] for r in ours], [r["Δppl %"] for r in ours])
+    for r in ours:
+        ax.annotate(r["cache"], (r["bytes ratio vs fp16"], r["Δppl %"]))
+    ax.set_xlabel("cache bytes ratio vs fp16 DynamicCache (4k tokens)")
+    ax.set_ylabel("Δppl % vs DynamicCache")
+    ax = fig.add_subplot(1, 2, 2)
+    longest = max(int(k.split("@")[1]) for k in rows[0] if k.startswith("ms/token @"))
+    ax.bar([r["cache"] for r in rows], [r[f"ms/token @{longest}"] for r in rows])
+    ax.set_ylabel(f"decode ms/token at {longest} cached tokens (1 thread)")
+    ax.tick_params(axis="x", rotation=30)
