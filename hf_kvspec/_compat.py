@@ -122,3 +122,12 @@ def generate_call_streamer():
         return None
     finally:
         del frame  # break the reference cycle through the frame
+
+
+def generation_pad_token_id(generation_config) -> int:
+    """The pad id ``generate`` settled on (``GenerationConfig._pad_token_tensor``, set by
+    ``_prepare_special_tokens``: falls back to the EOS id), else ``pad_token_id``, else 0."""
+    pad = getattr(generation_config, "_pad_token_tensor", None)
+    if pad is not None:
+        return int(pad.reshape(-1)[0])
+    return int(generation_config.pad_token_id or 0)

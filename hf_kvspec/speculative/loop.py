@@ -26,11 +26,13 @@ from hf_kvspec import _compat
 from hf_kvspec.speculative.buffer import TokenBuffer
 from hf_kvspec.speculative.drafters.base import DraftContext, Drafter, DraftProposal, RoundOutcome
 from hf_kvspec.speculative.positions import History, PositionwiseProcessor, PositionwiseStopper
+from hf_kvspec.speculative.rollback import check_cache, prepare_for_rollback
 from hf_kvspec.speculative.stats import AcceptanceStats
 from hf_kvspec.speculative.verify import greedy_verify, is_chain, rejection_verify
 
 # generate's model kwargs the loop consumes itself (it computes masks and positions per round)
 _HANDLED_KWARGS = {"attention_mask", "position_ids", "cache", "use_cache", "logits_to_keep"}
+_MAX_ROUND_SLACK = 64
 
 
 @dataclass
@@ -59,17 +61,6 @@ def speculative_generate(model, input_ids, logits_processor, stopping_criteria, 
     return decoder.run(input_ids, model_kwargs)
 
 
-def check_cache(cache) -> None:
-    """Refuse a cache that cannot roll back rejected draft tokens."""
-    if cache is None:
-        return
-    if not getattr(cache, "is_croppable", False) or not callable(getattr(cache, "crop", None)):
-        raise ValueError(
-            f"{type(cache).__name__} cannot be cropped (is_croppable is False or crop() is missing): speculative "
-            "decoding must remove rejected draft tokens from the cache with cache.crop(-k). Pass a croppable "
-            "cache, e.g. cache=DynamicCache(config=model.config), hf_kvspec's PagedCache or QuantizedKVCache.")
-
-
 class SpeculativeDecoder:
     """State of one speculative ``generate`` call."""
 
@@ -83,8 +74,7 @@ class SpeculativeDecoder:
         self.stopper = PositionwiseStopper(stopping_criteria)
         self.streamer = streamer
         self.stats = AcceptanceStats()
-        pad = generation_config._pad_token_tensor if hasattr(generation_config, "_pad_token_tensor") else None
-        self.pad_token_id = int(pad) if pad is not None else int(generation_config.pad_token_id or 0)
+        self.pad_token_id = _compat.generation_pad_token_id(generation_config)
         self.record_scores = bool(generation_config.return_dict_in_generate and generation_config.output_scores)
         self.record_logits = bool(generation_config.return_dict_in_generate and generation_config.output_logits)
 
@@ -92,16 +82,18 @@ class SpeculativeDecoder:
     def run(self, input_ids: torch.Tensor, model_kwargs: dict):
         self.cache = model_kwargs.get("cache")
         check_cache(self.cache)
+        self.sliding = prepare_for_rollback(self.cache)
         _check_kwargs(model_kwargs)
         batch = input_ids.shape[0]
-        if batch > 1 and _has_sliding_layers(self.model.config):
+        if batch > 1 and (self.sliding or _has_sliding_layers(self.model.config)):
             raise NotImplementedError(
                 "speculative_generate with batch size > 1 does not support sliding-window attention layers: rows "
                 "that accept fewer draft tokens keep masked slots, which would shift each row's window. Run the "
                 "rows one at a time (batch size 1).")
         self.alive = torch.ones(batch, dtype=torch.bool, device=input_ids.device)
         self.buffer = TokenBuffer(input_ids, model_kwargs.get("attention_mask"), self.pad_token_id)
-        capacity = (self.config.max_length or input_ids.shape[1] + 256) + 2 * 16 + 2
+        # room for every token plus one round's drafts past max_length (History grows if a caller needs more)
+        capacity = (self.config.max_length or input_ids.shape[1] + 256) + _MAX_ROUND_SLACK
         self.history = History(input_ids, capacity, self.pad_token_id)
         self.score_rows = [[] for _ in range(batch)] if self.record_scores else None
         self.logit_rows = [[] for _ in range(batch)] if self.record_logits else None
@@ -208,7 +200,8 @@ class SpeculativeDecoder:
         return rejection_verify(proposal.tokens, torch.softmax(scores, dim=-1), proposal.probs, proposal.parents)
 
     def _roll_back(self, rejected: int) -> None:
-        if rejected > 0:
+        # sliding-window layers recording their past also need crop(0) to shrink back to the window
+        if rejected > 0 or self.sliding:
             self.cache.crop(-rejected)
 
     # ------------------------------------------------------------------------------------------ emit
@@ -281,8 +274,10 @@ def _sync(tensor: torch.Tensor) -> None:
 
 
 def _has_sliding_layers(config) -> bool:
-    layer_types = getattr(config, "layer_types", None) or []
-    return any("sliding" in str(kind) for kind in layer_types)
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types:
+        return any("sliding" in str(kind) for kind in layer_types)
+    return getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True)
 
 
 def _check_inputs(model, assistant, generation_config) -> None:

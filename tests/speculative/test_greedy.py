@@ -70,3 +70,25 @@ def test_each_batch_row_equals_its_prompt_alone(models):
                                 assistant=hf_kvspec.DraftModelAssistant(drafts["partial"], num_draft_tokens=5))
         offset = ids.shape[1] - len(prompt)
         assert torch.equal(out[row, offset: offset + alone.shape[1]], alone[0])
+
+
+@pytest.mark.parametrize("kind", ["mistral", "gemma2"])
+def test_sliding_window_models_at_batch_one(kind):
+    """Sequences longer than the window (8): rollback must work on sliding layers (past recording)."""
+    target, drafts = drafts_for(kind)
+    ids = torch.tensor([PROMPTS[2]])
+    expected = target.generate(ids, do_sample=False, max_new_tokens=20, pad_token_id=0)
+    for name in ("right", "partial"):
+        assistant = hf_kvspec.DraftModelAssistant(drafts[name], num_draft_tokens=4)
+        out = target.generate(ids, do_sample=False, max_new_tokens=20, pad_token_id=0,
+                              custom_generate=hf_kvspec.speculative_generate, assistant=assistant)
+        assert torch.equal(out, expected), name
+
+
+def test_sliding_window_batches_are_refused():
+    target, drafts = drafts_for("mistral")
+    ids, mask = batch(2)
+    with pytest.raises(NotImplementedError, match="sliding-window"):
+        target.generate(ids, attention_mask=mask, max_new_tokens=4, pad_token_id=0,
+                        custom_generate=hf_kvspec.speculative_generate,
+                        assistant=hf_kvspec.DraftModelAssistant(drafts["right"]))

@@ -18,6 +18,7 @@ import torch
 from transformers import DynamicCache
 
 from hf_kvspec.speculative.drafters.base import DraftContext, Drafter, DraftProposal, RoundOutcome
+from hf_kvspec.speculative.rollback import prepare_for_rollback
 
 
 class DraftModelAssistant(Drafter):
@@ -42,6 +43,7 @@ class DraftModelAssistant(Drafter):
     def begin(self, target, buffer, target_hidden=None) -> None:
         super().begin(target, buffer, target_hidden)
         self.cache = DynamicCache(config=self.model.config)
+        self.sliding = prepare_for_rollback(self.cache)
         self.cached = 0
         self.target_vocab = target.get_output_embeddings().out_features
         draft_vocab = self.model.get_output_embeddings().out_features
@@ -85,9 +87,9 @@ class DraftModelAssistant(Drafter):
 
     def observe(self, outcome: RoundOutcome) -> None:
         super().observe(outcome)
-        if self.cached > outcome.kept_width:
-            self.cache.crop(outcome.kept_width - self.cached)
-            self.cached = outcome.kept_width
+        if self.cached > outcome.kept_width or self.sliding:
+            self.cache.crop(min(outcome.kept_width - self.cached, 0))
+            self.cached = min(self.cached, outcome.kept_width)
 
     def end(self) -> None:
         self.cache = None

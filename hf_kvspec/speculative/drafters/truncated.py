@@ -13,6 +13,8 @@ import re
 
 from transformers import AutoModelForCausalLM
 
+from hf_kvspec._compat import attn_implementation
+
 _LAYER_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
@@ -26,7 +28,7 @@ def truncated_draft(model, num_layers: int):
     if getattr(config, "layer_types", None):
         config.layer_types = config.layer_types[:num_layers]
     draft = AutoModelForCausalLM.from_config(config, dtype=model.dtype,
-                                             attn_implementation=model.config._attn_implementation)
+                                             attn_implementation=attn_implementation(model.config))
     kept = {key: value for key, value in model.state_dict().items()
             if (match := _LAYER_KEY.search(key)) is None or int(match.group(1)) < num_layers}
     draft.load_state_dict(kept, strict=True)
