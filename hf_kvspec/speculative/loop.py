@@ -158,7 +158,7 @@ class SpeculativeDecoder:
         self.buffer.append_round(result.accepted_tokens(proposal.tokens)[:, :longest], result.num_accepted,
                                  result.next_tokens, alive)
         self.alive = alive & ~stopped
-        self._telemetry(proposal, result, keep, alive, hidden, verified - start, drafted - start, verified - drafted)
+        self._telemetry(proposal, result, keep, alive, hidden, drafted - start, verified - drafted)
         self._stream()
 
     def _draft(self) -> DraftProposal:
@@ -214,7 +214,7 @@ class SpeculativeDecoder:
             for row, count in enumerate(keep.tolist()):
                 store[row].append(picked[row, :count].float())
 
-    def _telemetry(self, proposal, result, keep, alive, hidden, _total, draft_s, verify_s) -> None:
+    def _telemetry(self, proposal, result, keep, alive, hidden, draft_s, verify_s) -> None:
         num_draft = proposal.tokens.shape[1]
         accepted = result.num_accepted[alive]
         per_position = [int((accepted > j).sum()) for j in range(num_draft)]

@@ -134,3 +134,37 @@ def test_assistant_is_required_and_typed(models):
     with pytest.raises(TypeError, match="DraftModelAssistant"):
         target.generate(ids, max_new_tokens=2, custom_generate=hf_kvspec.speculative_generate,
                         assistant=drafts["right"])
+
+
+class _FeatureDrafter(hf_kvspec.Drafter):
+    """A hidden-state drafter stub (the Medusa/EAGLE seam): drafts a fixed token, records what it is shown."""
+
+    wants_hidden_states = True
+
+    def __init__(self):
+        super().__init__(num_draft_tokens=2)
+        self.seen = []
+
+    def begin(self, target, buffer, target_hidden=None):
+        super().begin(target, buffer, target_hidden)
+        self.seen.append(("begin", tuple(target_hidden.shape)))
+
+    def propose(self, ctx):
+        rows = ctx.buffer.tokens.shape[0]
+        return hf_kvspec.DraftProposal(torch.full((rows, ctx.num_draft_tokens), 7))
+
+    def observe(self, outcome):
+        super().observe(outcome)
+        self.seen.append(("round", tuple(outcome.target_hidden.shape), outcome.num_draft_tokens))
+
+
+def test_hidden_state_drafters_receive_target_features(models):
+    target, _ = models
+    ids, mask = batch(4)
+    drafter = _FeatureDrafter()
+    out = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=6, pad_token_id=0,
+                          eos_token_id=None, custom_generate=hf_kvspec.speculative_generate, assistant=drafter)
+    assert torch.equal(out, _plain(target, ids, mask, do_sample=False, max_new_tokens=6, eos_token_id=None))
+    hidden = target.config.hidden_size
+    assert drafter.seen[0] == ("begin", (4, ids.shape[1], hidden))
+    assert all(kind == "round" and shape == (4, k + 1, hidden) for kind, shape, k in drafter.seen[1:])

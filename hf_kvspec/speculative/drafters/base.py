@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from hf_kvspec.speculative.autok import AutoDraftLength
 from hf_kvspec.speculative.stats import AcceptanceStats
 
 if TYPE_CHECKING:
@@ -68,7 +69,9 @@ class RoundOutcome:
     num_draft_tokens: int  # N that was verified
     draft_time_s: float
     verify_time_s: float
-    target_hidden: torch.Tensor | None = None  # [B, N + 1, H] target's last hidden states over the round
+    # [B, N + 1, H] target's last-layer hidden states over the round (when ``wants_hidden_states``); row i's
+    # newest feature, the one that produced its next token, is ``target_hidden[i, num_accepted[i]]``
+    target_hidden: torch.Tensor | None = None
 
 
 class Drafter(abc.ABC):
@@ -82,8 +85,6 @@ class Drafter(abc.ABC):
     wants_hidden_states: bool = False
 
     def __init__(self, num_draft_tokens: int | str = 4, max_draft_tokens: int = 16):
-        from hf_kvspec.speculative.autok import AutoDraftLength
-
         if num_draft_tokens != "auto" and (not isinstance(num_draft_tokens, int) or num_draft_tokens < 0):
             raise ValueError(f"num_draft_tokens must be a non-negative int or 'auto', got {num_draft_tokens!r}")
         self.num_draft_tokens = num_draft_tokens
