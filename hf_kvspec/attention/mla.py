@@ -46,6 +46,8 @@ from hf_kvspec.attention.patch import AttentionPatch
 
 __all__ = ["UnsupportedMLAError", "absorbed_forward", "enable_mla_absorb"]
 
+_UNSET = object()  # "argument not passed", so a fallback call forwards exactly what the caller gave
+
 
 def absorbed_forward(
     module: torch.nn.Module,
@@ -53,16 +55,18 @@ def absorbed_forward(
     original_forward,
     hidden_states: torch.Tensor,  # [B, T, hidden]
     *args,
-    attention_mask: torch.Tensor | None = None,  # [B, 1|H, T, S] or None
-    cache=None,
-    position_embeddings=None,  # (cos, sin) [B, T, R] each, or complex freqs_cis [B, T, R/2] (V2)
+    attention_mask: torch.Tensor | None = _UNSET,  # [B, 1|H, T, S] or None
+    cache=_UNSET,
+    position_embeddings=_UNSET,  # (cos, sin) [B, T, R] each, or complex freqs_cis [B, T, R/2] (V2)
     **kwargs,
 ) -> tuple[torch.Tensor, None]:  # [B, T, hidden]
     """Drop-in ``forward`` for a DeepSeek MLA module (bound with ``functools.partial``)."""
+    named = dict(attention_mask=attention_mask, cache=cache, position_embeddings=position_embeddings)
     if args or module.training or kwargs.get("output_attentions"):
         # positional calls, training and attention maps keep the exact original semantics
-        return original_forward(hidden_states, *args, attention_mask=attention_mask, cache=cache,
-                                position_embeddings=position_embeddings, **kwargs)
+        passed = {key: value for key, value in named.items() if value is not _UNSET}
+        return original_forward(hidden_states, *args, **passed, **kwargs)
+    attention_mask, cache, position_embeddings = (None if v is _UNSET else v for v in named.values())
     cache = cache if cache is not None else kwargs.pop("past_key_values", None)
     plan.refresh(module)
     q_nope, q_rot, c_kv, k_rot = _project(module, plan, hidden_states, position_embeddings)

@@ -40,7 +40,7 @@ MIB = 2**20
 def add_arguments(parser) -> None:
     parser.add_argument("--contexts", default="512,2048,8192", help="GQA context lengths (bundled model)")
     parser.add_argument("--prefill-chunk", type=int, default=512, help="GQA prefill: new tokens timed at each context")
-    parser.add_argument("--prefill-repeats", type=int, default=1)
+    parser.add_argument("--prefill-repeats", type=int, default=3)
     parser.add_argument("--decode-steps", type=int, default=8)
     parser.add_argument("--mla-contexts", default="1024,4096,8192,16384")
     parser.add_argument("--mla-steps", type=int, default=4)

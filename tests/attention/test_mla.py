@@ -188,6 +188,11 @@ def test_unsupported_models_and_arguments_are_refused():
         enable_mla_absorb(tiny_model("llama"))
     with pytest.raises(ValueError, match="strategy"):
         enable_mla_absorb(tiny_model("deepseek_v3"), strategy="fast")
+    model = tiny_model("deepseek_v2")
+    model.config.qk_nope_head_dim = 0  # a NoPE-less variant cannot absorb W_UK
+    with pytest.raises(UnsupportedMLAError, match="qk_nope_head_dim"):
+        enable_mla_absorb(model)
+    assert all("forward" not in layer.self_attn.__dict__ for layer in model.model.layers)  # nothing half-patched
 
 
 @pytest.mark.slow
@@ -226,3 +231,17 @@ def test_paged_cache_stores_the_latent_and_greedy_matches():
     pages = cache.layers[0]
     assert pages.keys.shape[2:] == (1, config.kv_lora_rank) and pages.values.shape[2:] == (1, config.qk_rope_head_dim)
     assert cache.nbytes() == 32 * 4 * config.num_hidden_layers * (config.kv_lora_rank + config.qk_rope_head_dim) * 4
+
+
+def test_positional_and_training_calls_fall_back_to_the_original():
+    model = tiny_model("deepseek_v3")
+    attn, rotary = model.model.layers[0].self_attn, model.model.rotary_emb
+    hidden = torch.randn(1, 5, model.config.hidden_size)
+    embeddings = rotary(hidden, torch.arange(5)[None])
+    expected, _ = attn(hidden, embeddings, None)  # V3 order: hidden, position_embeddings, attention_mask
+    with enable_mla_absorb(model, strategy="absorb"):
+        assert torch.equal(attn(hidden, embeddings, None)[0], expected)
+        model.train()
+        assert torch.equal(attn(hidden_states=hidden, position_embeddings=embeddings, attention_mask=None)[0],
+                           expected)
+
