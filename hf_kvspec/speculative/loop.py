@@ -139,6 +139,7 @@ class SpeculativeDecoder:
         alive = self.alive
         start = time.perf_counter()
         proposal = self._draft()
+        _sync(proposal.tokens)
         drafted = time.perf_counter()
         num_draft = proposal.tokens.shape[1]
         logits, hidden = self._target_forward(proposal.tokens)  # [B, N + 1, V]

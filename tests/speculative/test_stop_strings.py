@@ -1,10 +1,11 @@
-"""Stop strings end a row inside an accepted draft, as in plain generate (real tokenizer, tiny random model)."""
+"""Stop strings end a row inside an accepted draft as in plain generate, and a TextStreamer prints exactly the
+returned text (real tokenizer, tiny random model)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoTokenizer, StoppingCriteriaList, StopStringCriteria
+from transformers import AutoTokenizer, StoppingCriteriaList, StopStringCriteria, TextStreamer
 
 import hf_kvspec
 from hf_kvspec.models import bundled_model_path
@@ -54,3 +55,23 @@ def test_stop_string_criteria_via_custom_generate(setup):
                           custom_generate=hf_kvspec.speculative_generate,
                           assistant=hf_kvspec.DraftModelAssistant(draft, num_draft_tokens=4))
     assert torch.equal(out, expected)
+
+
+class _TextCollector(TextStreamer):
+    def __init__(self, tokenizer):
+        super().__init__(tokenizer, skip_prompt=True)
+        self.text = ""
+
+    def on_finalized_text(self, text: str, stream_end: bool = False):
+        self.text += text
+
+
+def test_text_streamer_output_equals_returned_text(setup):
+    tokenizer, target, draft, ids, mask, _stop, _free = setup
+    prompt = ids[1:, -int(mask[1].sum()):]  # TextStreamer streams batch size 1
+    streamer = _TextCollector(tokenizer)
+    out = target.generate(prompt, do_sample=False, max_new_tokens=14, pad_token_id=0, streamer=streamer,
+                          custom_generate=hf_kvspec.speculative_generate,
+                          assistant=hf_kvspec.DraftModelAssistant(draft, num_draft_tokens=4))
+    assert streamer.text == tokenizer.decode(out[0, prompt.shape[1]:])
+    assert len(streamer.text) > 0
