@@ -1,7 +1,7 @@
 """Model cards and Hub uploads for draft heads.
 
 Boundary: renders ``model_cards/draft_head.md`` (Jinja2, YAML metadata block) from a head's config and the measured
-numbers it is given, and uploads a head folder through ``huggingface_hub.HfApi`` (create_repo + upload_folder).
+numbers it is given, and uploads a head folder through ``huggingface_hub.HfApi`` (create_repo + one create_commit).
 Knows nothing about how the numbers were measured.
 """
 
@@ -37,7 +37,7 @@ class CardFields:
     parameters: int | None = None
 
     @classmethod
-    def from_summary(cls, summary: dict, **overrides) -> "CardFields":
+    def from_summary(cls, summary: dict, **overrides) -> CardFields:
         """From ``training_summary.json`` written by ``scripts/train_drafter.py``."""
         args = summary.get("args", {})
         paragraph = (f"{args.get('max_steps')} optimizer steps, batch {args.get('per_device_batch_size')} x "
@@ -55,7 +55,7 @@ class CardFields:
 
 def card_metadata(config, fields: CardFields) -> dict:
     """The YAML block: library, base_model, tags, datasets, license (+ model-index style results when measured)."""
-    title, tag, paper = _KIND.get(config.model_type, (config.model_type, config.model_type, None))
+    _title, tag, paper = _KIND.get(config.model_type, (config.model_type, config.model_type, None))
     metadata = {"library_name": "hf_kvspec", "license": fields.license,
                 "base_model": fields.base_model_hub_id or config.base_model_name_or_path,
                 "tags": ["speculative-decoding", "draft-model", tag, "hf_kvspec"] + ([paper] if paper else []),
@@ -102,14 +102,17 @@ def _description(config) -> str:
 
 def push_head(head, repo_id: str, card: str, commit_message: str | None = None, private: bool | None = None,
               token: str | bool | None = None, revision: str | None = None) -> str:
-    """Upload ``config.json``, ``model.safetensors`` and ``README.md`` (the card) in one commit; returns its URL."""
-    from huggingface_hub import HfApi
+    """Upload what ``save_pretrained`` writes (``config.json``, ``model.safetensors``) plus ``README.md`` (the card)
+    as one commit; returns the commit URL."""
+    from huggingface_hub import CommitOperationAdd, HfApi
 
     api = HfApi(token=token)
     repo_id = api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model").repo_id
     with tempfile.TemporaryDirectory() as folder:
         head.save_pretrained(folder)
         Path(folder, "README.md").write_text(card)
-        commit = api.upload_folder(repo_id=repo_id, folder_path=folder, repo_type="model", revision=revision,
+        operations = [CommitOperationAdd(path_in_repo=path.name, path_or_fileobj=str(path))
+                      for path in sorted(Path(folder).iterdir()) if path.is_file()]
+        commit = api.create_commit(repo_id=repo_id, operations=operations, repo_type="model", revision=revision,
                                    commit_message=commit_message or f"Upload {type(head).__name__}")
-    return getattr(commit, "commit_url", str(commit))
+    return commit.commit_url

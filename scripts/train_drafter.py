@@ -21,8 +21,8 @@ Outputs in ``--output_dir``: ``config.json`` + ``model.safetensors`` (the head o
 from __future__ import annotations
 
 import json
-import random
 import os
+import random
 import shlex
 import signal
 import sys

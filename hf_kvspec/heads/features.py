@@ -138,7 +138,7 @@ def collate(items: list[dict]) -> dict:
              "prompt_length": torch.tensor([item["prompt_length"] for item in items])}
     if "features" in items[0]:
         width = items[0]["features"].shape[-1]
-        features = torch.zeros(ids.shape + (width,), dtype=items[0]["features"].dtype)
+        features = torch.zeros((*ids.shape, width), dtype=items[0]["features"].dtype)
         tokens = torch.zeros_like(ids)
         for row, item in enumerate(items):
             n = len(item["input_ids"])

@@ -39,7 +39,7 @@ class DraftHeadModel(PreTrainedModel):
     _supports_sdpa = True
     _supports_attention_backend = True
 
-    def attach(self, base_model: nn.Module, strict: bool = True) -> "DraftHeadModel":
+    def attach(self, base_model: nn.Module, strict: bool = True) -> DraftHeadModel:
         """Check that ``base_model`` is the one this head was trained for and borrow its embedding and LM head.
 
         Raises ``BaseModelMismatchError`` (see ``hf_kvspec.heads.pairing``) for the wrong base model.

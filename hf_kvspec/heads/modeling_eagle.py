@@ -114,8 +114,9 @@ class EagleDrafter(DraftHeadModel):
         """
         embeds = self.borrowed().embed_tokens(input_ids)                                   # [B, T, H]
         hidden = self.fc(torch.cat([embeds.to(fused.dtype), fused], dim=-1))              # [B, T, H]
-        if attention_mask is None and (cache is not None and cache.get_seq_length() > 0):
-            raise ValueError("Pass an explicit attention_mask when extending a non-empty drafter cache.")
+        if attention_mask is None and input_ids.shape[1] > 1 and cache is not None and cache.get_seq_length() > 0:
+            # sdpa's implicit causal mask is top-left aligned: wrong for several new rows after cached ones
+            raise ValueError("Pass an explicit attention_mask when adding several rows to a non-empty drafter cache.")
         return self.layer(hidden, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
                           use_cache=cache is not None,
                           position_embeddings=self.rotary_emb(hidden, position_ids=position_ids))
@@ -161,7 +162,7 @@ class EagleDrafter(DraftHeadModel):
 
     @classmethod
     def for_base_model(cls, base_model: nn.Module, name_or_path: str | None = None,
-                       feature_layers: list[int] | None = None, **kwargs) -> "EagleDrafter":
+                       feature_layers: list[int] | None = None, **kwargs) -> EagleDrafter:
         """A freshly initialised drafter for ``base_model`` (config filled from it), already attached."""
         return cls(EagleConfig.for_base_model(base_model, name_or_path, feature_layers=feature_layers,
                                               **kwargs)).attach(base_model)

@@ -81,7 +81,7 @@ def test_wrong_base_model_is_refused(base):
         medusa.attach(other_weights)
     medusa.attach(other_weights, strict=False)  # explicit opt-out
     wider = tiny_model("llama", seed=0, hidden_size=128)
-    with pytest.raises(BaseModelMismatchError, match="hidden_size=64.*hidden_size=128"):
+    with pytest.raises(BaseModelMismatchError, match=r"hidden_size=64.*hidden_size=128"):
         medusa.attach(wider, strict=False)  # shapes are never negotiable
     with pytest.raises(BaseModelMismatchError, match="vocab_size"):
         medusa.attach(tiny_model("llama", seed=0, vocab_size=97))

@@ -5,7 +5,6 @@ from __future__ import annotations
 import string
 from pathlib import Path
 
-import torch
 from tokenizers import Regex, Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
@@ -48,4 +47,4 @@ def write_tiny_corpus(path: str | Path, lines: int = 64) -> Path:
     return Path(path)
 
 
-__all__ = ["save_tiny_base", "write_tiny_corpus", "char_tokenizer", "torch"]
+

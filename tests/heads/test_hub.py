@@ -1,0 +1,78 @@
+"""Model-card rendering and the exact Hub upload (through huggingface_hub's real upload_folder, no network)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+from huggingface_hub import CommitInfo, HfApi, RepoUrl
+from safetensors.torch import load
+
+from hf_kvspec import hub
+from hf_kvspec.heads.configuration import EagleConfig, MedusaConfig
+from hf_kvspec.heads.modeling_medusa import MedusaHeads
+from tests.tiny_models import tiny_model
+
+HELD_OUT = {"per_head_top1": [0.5734, 0.3121, 0.2, 0.1], "tau": 2.4567, "positions": [900, 880, 860, 840],
+            "emitted_tokens": 901, "target_forwards": 367, "prompts": 35, "source": "heldout.jsonl"}
+
+
+@pytest.fixture(scope="module")
+def base():
+    return tiny_model("llama", seed=0)
+
+
+def _front_matter(card: str) -> dict:
+    assert card.startswith("---\n")
+    return yaml.safe_load(card.split("---\n")[1])
+
+
+def test_card_carries_metadata_and_measured_numbers(base):
+    config = MedusaConfig.for_base_model(base, "bundled:tiny", num_heads=4)
+    fields = hub.CardFields(base_model_hub_id="org/tiny-base", datasets=["corpus:python-docs", "prompts.jsonl"],
+                            command="accelerate launch scripts/train_drafter.py --head medusa", held_out=HELD_OUT,
+                            data=[{"source": "corpus:python-docs", "kind": "text", "sequences": 3, "tokens": 700}],
+                            repo_id="me/heads")
+    card = hub.render_model_card(config, fields)
+    meta = _front_matter(card)
+    assert meta["library_name"] == "hf_kvspec" and meta["base_model"] == "org/tiny-base"
+    assert meta["license"] == "apache-2.0" and meta["datasets"] == ["corpus:python-docs", "prompts.jsonl"]
+    assert {"speculative-decoding", "medusa"} <= set(meta["tags"])
+    assert meta["hf_kvspec_acceptance"] == {"tau": 2.4567, "per_head_top1": [0.5734, 0.3121, 0.2, 0.1]}
+    for text in ("57.3%", "31.2%", "τ = 2.46", "35 chat prompts", "367 target forwards", config.base_model_fingerprint,
+                 "accelerate launch scripts/train_drafter.py --head medusa", "| `corpus:python-docs` | text | 3 | 700 |",
+                 "assistant=", 'AutoModel.from_pretrained("me/heads")', "## Limitations"):
+        assert text in card, text
+
+
+def test_card_without_measurements_says_so(base):
+    card = hub.render_model_card(EagleConfig.for_base_model(base, "bundled:tiny"))
+    assert "Not measured" in card and "hf_kvspec_acceptance" not in _front_matter(card)
+    assert "EAGLE" in card
+
+
+def test_push_uploads_exactly_weights_config_and_card(base, monkeypatch):
+    calls = {}
+
+    def create_repo(self, repo_id, **kwargs):
+        calls["create_repo"] = (repo_id, kwargs)
+        return RepoUrl(f"https://huggingface.co/{repo_id}")
+
+    def create_commit(self, repo_id, operations, **kwargs):
+        calls["files"] = {op.path_in_repo: Path(op.path_or_fileobj).read_bytes() for op in operations}
+        calls["commit"] = (repo_id, kwargs)
+        return CommitInfo(commit_url=f"https://huggingface.co/{repo_id}/commit/abc", commit_message="m",
+                          commit_description="", oid="abc")
+
+    monkeypatch.setattr(HfApi, "create_repo", create_repo)
+    monkeypatch.setattr(HfApi, "create_commit", create_commit)
+    heads = MedusaHeads(MedusaConfig.for_base_model(base, "bundled:tiny", num_heads=2)).attach(base)
+    url = heads.push_to_hub("me/tiny-medusa", private=True, held_out=HELD_OUT)
+    assert url == "https://huggingface.co/me/tiny-medusa/commit/abc"
+    assert calls["create_repo"][0] == "me/tiny-medusa" and calls["create_repo"][1]["private"] is True
+    assert sorted(calls["files"]) == ["README.md", "config.json", "model.safetensors"]
+    assert "57.3%" in calls["files"]["README.md"].decode()
+    assert _front_matter(calls["files"]["README.md"].decode())["base_model"] == "bundled:tiny"
+    weights = load(calls["files"]["model.safetensors"])
+    assert sorted(weights) == sorted(heads.state_dict())  # the head only: no embedding, no LM head
