@@ -8,8 +8,8 @@ Plain ``generate`` calls each processor with ``input_ids`` = left-padded prompt 
 speculative round scores T positions per row in one go; position j of row i must see row i's history plus the
 first j draft tokens, never the draft tokens after it (path-dependent processors: repetition penalty, no-repeat
 n-gram, min-length, ...). Processors that look only at the scores are applied once to all positions; the others
-are called once per distinct prefix length, on the rows that share it (no padding, so a processor sees exactly
-the tensor ``generate`` would have given it).
+are called once per distinct prefix length, on the whole batch in row order (processors may keep per-row
+state), so each row at its position sees exactly the ``input_ids`` row ``generate`` would have given it.
 
 Shapes: ``B`` rows, ``T`` positions per row, ``V`` vocabulary, ``S`` history capacity.
 """
@@ -78,10 +78,14 @@ class History:
 
 
 def _length_groups(prefix_lengths: torch.Tensor):
-    """Yield ``(length, flat_index)`` for each distinct value of ``prefix_lengths`` [B, T] (flattened)."""
-    flat = prefix_lengths.reshape(-1)
-    for length in torch.unique(flat).tolist():
-        yield length, (flat == length).nonzero().squeeze(1)
+    """For each distinct prefix length L in ``prefix_lengths`` [B, T] yield ``(L, rows, position)``: ``rows`` [B]
+    bool, the rows that have a position with prefix length L, and ``position`` [B] that position (clamped into
+    0..T-1 for the other rows, whose results are discarded)."""
+    positions = prefix_lengths.shape[1]
+    first = prefix_lengths[:, 0]
+    for length in torch.unique(prefix_lengths).tolist():
+        offset = length - first
+        yield length, (offset >= 0) & (offset < positions), offset.clamp(0, positions - 1)
 
 
 class PositionwiseProcessor:
@@ -110,11 +114,23 @@ class PositionwiseProcessor:
                 scores = proc(prefixes[:, :1].repeat_interleave(positions, 0), scores)
                 continue
             groups = groups if groups is not None else list(_length_groups(prefix_lengths))
-            out = scores.clone()
-            for length, index in groups:
-                out[index] = proc(prefixes[index // positions, :length], scores[index])
-            scores = out
+            scores = _per_length(proc, prefixes, scores.view(batch, positions, vocab), groups).view(-1, vocab)
         return scores.view(batch, positions, vocab)
+
+
+def _per_length(proc, prefixes: torch.Tensor, scores: torch.Tensor, groups) -> torch.Tensor:
+    """Apply a path-dependent processor once per prefix length, always to the whole batch in row order.
+
+    Processors may hold per-row state (``RepetitionPenaltyLogitsProcessor.prompt_ignore_length`` is [B];
+    ``PrefixConstrainedLogitsProcessor`` passes the row index to its callback), so a call must see all B rows.
+    Rows without a position of that length get a stand-in prefix; their results are dropped.
+    """
+    out = scores.clone()  # [B, T, V]
+    rows = torch.arange(scores.shape[0], device=scores.device)
+    for length, wanted, position in groups:
+        processed = proc(prefixes[:, :length], scores[rows, position])  # [B, V]
+        out[rows[wanted], position[wanted]] = processed[wanted]
+    return out
 
 
 class PositionwiseStopper:
@@ -163,11 +179,11 @@ class PositionwiseStopper:
         positions = tokens.shape[1]
         prefixes = history.extended(tokens)
         prefix_lengths = history.lengths[:, None] + torch.arange(1, positions + 1, device=tokens.device)
-        hits = torch.zeros(tokens.shape, dtype=torch.bool, device=tokens.device).view(-1)
-        for length, index in _length_groups(prefix_lengths):
-            ids = prefixes[index // positions, :length]
-            done = torch.zeros(index.shape[0], dtype=torch.bool, device=tokens.device)
-            for criterion in self.others:
-                done |= criterion(ids, None).to(tokens.device).reshape(-1).bool()
-            hits[index] = done
-        return hits.view(tokens.shape)
+        hits = torch.zeros(tokens.shape, dtype=torch.bool, device=tokens.device)  # [B, T]
+        rows = torch.arange(tokens.shape[0], device=tokens.device)
+        for length, wanted, position in _length_groups(prefix_lengths):
+            done = torch.zeros(tokens.shape[0], dtype=torch.bool, device=tokens.device)
+            for criterion in self.others:  # whole batch, in row order (criteria may keep per-row state)
+                done |= criterion(prefixes[:, :length], None).to(tokens.device).reshape(-1).bool()
+            hits[rows[wanted], position[wanted]] = done[wanted]
+        return hits

@@ -92,3 +92,17 @@ def test_sliding_window_batches_are_refused():
         target.generate(ids, attention_mask=mask, max_new_tokens=4, pad_token_id=0,
                         custom_generate=hf_kvspec.speculative_generate,
                         assistant=hf_kvspec.DraftModelAssistant(drafts["right"]))
+
+
+def test_path_dependent_processors_under_greedy(models):
+    """Repetition penalty, no-repeat-n-gram and min-new-tokens see each verified position's own prefix."""
+    target, drafts = models
+    ids, mask = batch(4)
+    kw = dict(attention_mask=mask, do_sample=False, max_new_tokens=MAX_NEW, pad_token_id=0, eos_token_id=3,
+              repetition_penalty=1.4, no_repeat_ngram_size=2, min_new_tokens=6)
+    expected = target.generate(ids, **kw)
+    for name in ("right", "partial"):
+        assistant = hf_kvspec.DraftModelAssistant(drafts[name], num_draft_tokens=4)
+        out = target.generate(ids, custom_generate=hf_kvspec.speculative_generate, assistant=assistant, **kw)
+        assert torch.equal(out, expected), name
+        assert assistant.stats.mean_acceptance > 0.3
