@@ -103,6 +103,9 @@ class TrainArguments:
                                                          "help": "softmax over label tokens only (training only)"})
     train_vocab_size: int | None = field(default=None, metadata={"help": "keep the N most frequent label tokens"})
     num_threads: int | None = None
+    save_dtype: str = field(default="float32", metadata={"choices": ["float32", "float16", "bfloat16"],
+                                                         "help": "dtype of the saved head (held-out numbers are "
+                                                                 "measured on the saved weights)"})
     push_to_hub: bool = False
     hub_model_id: str | None = None
     hub_private: bool = False
@@ -263,15 +266,39 @@ def find_checkpoint(output_dir: Path, spec: str) -> Path | None:
     return found[-1] if found else None
 
 
-def save_checkpoint(accelerator, output_dir: Path, step: int) -> None:
+@dataclass
+class RunRecord:
+    """What a run carries across resumes: the commands that produced it, wall time, last logged metrics."""
+
+    commands: list[str]
+    seconds_before: float = 0.0
+    started: float = field(default_factory=time.time)
+    last_metrics: dict = field(default_factory=dict)
+
+    @property
+    def train_seconds(self) -> float:
+        return round(self.seconds_before + time.time() - self.started, 1)
+
+    def state(self, step: int) -> dict:
+        return {"completed_steps": step, "commands": self.commands, "train_seconds": self.train_seconds,
+                "last_metrics": self.last_metrics}
+
+    def resume(self, state: dict) -> int:
+        self.commands = state.get("commands", []) + self.commands
+        self.seconds_before = state.get("train_seconds", 0.0)
+        self.last_metrics = state.get("last_metrics", {})
+        return state["completed_steps"]
+
+
+def save_checkpoint(accelerator, output_dir: Path, step: int, record: RunRecord) -> None:
     directory = output_dir / "checkpoints" / f"step-{step}"
     accelerator.save_state(str(directory))
     if accelerator.is_main_process:
-        (directory / "trainer_state.json").write_text(json.dumps({"completed_steps": step}))
+        (directory / "trainer_state.json").write_text(json.dumps(record.state(step), indent=2))
 
 
-def train(m, d, t, accelerator, objective, dataset, target) -> dict:
-    """The loop: accumulate, clip, step, schedule, log, checkpoint. Returns the last logged metrics."""
+def train(m, d, t, accelerator, objective, dataset, target, record: RunRecord) -> None:
+    """The loop: accumulate, clip, step, schedule, log, checkpoint (``record`` keeps the last logged metrics)."""
     loader = torch.utils.data.DataLoader(dataset, batch_size=t.per_device_batch_size, shuffle=True,
                                          collate_fn=collate)
     optimizer = torch.optim.AdamW([p for p in objective.parameters() if p.requires_grad], lr=t.learning_rate,
@@ -283,12 +310,12 @@ def train(m, d, t, accelerator, objective, dataset, target) -> dict:
     checkpoint = find_checkpoint(output_dir, t.resume_from_checkpoint) if t.resume_from_checkpoint else None
     if checkpoint is not None:
         accelerator.load_state(str(checkpoint))
-        completed = json.loads((checkpoint / "trainer_state.json").read_text())["completed_steps"]
+        completed = record.resume(json.loads((checkpoint / "trainer_state.json").read_text()))
         accelerator.print(f"resumed from {checkpoint} at step {completed}")
     micro = completed * t.gradient_accumulation_steps
     epoch, skip = divmod(micro, len(loader))
     bar = tqdm(total=t.max_steps, initial=completed, desc=f"train {m.head}", disable=not accelerator.is_main_process)
-    window = _Window()
+    window = _Window(record)
     while completed < t.max_steps:
         loader.set_epoch(epoch)
         batches = accelerator.skip_first_batches(loader, skip) if skip else loader
@@ -311,22 +338,21 @@ def train(m, d, t, accelerator, objective, dataset, target) -> dict:
             if completed % t.logging_steps == 0 or completed == t.max_steps:
                 _log(accelerator, output_dir, completed, window, scheduler)
             if completed % t.save_steps == 0 or completed == t.max_steps:
-                save_checkpoint(accelerator, output_dir, completed)
+                save_checkpoint(accelerator, output_dir, completed, record)
             if completed == t.simulate_crash_after_step:
                 os.kill(os.getpid(), signal.SIGKILL)  # testing aid: die like a killed job, no cleanup
             if completed >= t.max_steps:
                 break
         epoch, skip = epoch + 1, 0
     bar.close()
-    return window.last
 
 
 class _Window:
     """Running loss / per-head top-1 since the last log line."""
 
-    def __init__(self):
+    def __init__(self, record: RunRecord):
         self.reset()
-        self.last: dict = {}
+        self.record = record
 
     def reset(self):
         self.loss, self.batches, self.correct, self.counts = 0.0, 0, None, None
@@ -347,12 +373,12 @@ class _Window:
 
 
 def _log(accelerator, output_dir: Path, step: int, window: _Window, scheduler) -> None:
-    window.last = {"step": step, **window.metrics(), "lr": scheduler.get_last_lr()[0]}
+    window.record.last_metrics = {"step": step, **window.metrics(), "lr": scheduler.get_last_lr()[0]}
     window.reset()
     if accelerator.is_main_process:
         output_dir.mkdir(parents=True, exist_ok=True)
         with (output_dir / "train_log.jsonl").open("a") as sink:
-            sink.write(json.dumps(window.last) + "\n")
+            sink.write(json.dumps(window.record.last_metrics) + "\n")
 
 
 def held_out(d: DataArguments, head, target, tokenizer, cache_root: Path) -> dict | None:
@@ -372,8 +398,10 @@ def finish(m, d, t, accelerator, objective, target, tokenizer, summary: dict, ca
 
     head = accelerator.unwrap_model(objective).head
     output_dir = Path(t.output_dir)
-    head.save_pretrained(output_dir)
-    summary["held_out"] = held_out(d, head.eval(), target, tokenizer, cache_root)
+    head.to(getattr(torch, t.save_dtype)).save_pretrained(output_dir)
+    # measure what was stored: reload the saved weights (fp32 compute) and evaluate those
+    stored = type(head).from_pretrained(output_dir, dtype=torch.float32).attach(target).eval()
+    summary["held_out"] = held_out(d, stored, target, tokenizer, cache_root)
     (output_dir / "training_summary.json").write_text(json.dumps(summary, indent=2))
     card = hub.render_model_card(head.config, hub.CardFields.from_summary(summary))
     (output_dir / "README.md").write_text(card)
@@ -393,7 +421,6 @@ def main(argv: list[str] | None = None) -> None:
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
     )
     set_seed(t.seed)
-    started = time.time()
     target, tokenizer, recorded_name, hub_id = load_target(m.base_model)
     cache_root = Path(d.data_cache_dir) if d.data_cache_dir else _default_cache()
     with accelerator.main_process_first():
@@ -406,14 +433,15 @@ def main(argv: list[str] | None = None) -> None:
     head = build_head(m, target, recorded_name)
     vocab = training_vocabulary(t, dataset, target.config.vocab_size)
     objective = TrainingObjective(head, vocab, d.label_source, t.unroll_steps, t.feature_loss_weight, t.loss_decay)
-    last = train(m, d, t, accelerator, objective, dataset, target)
+    record = RunRecord(commands=["accelerate launch scripts/train_drafter.py " + shlex.join(argv)])
+    train(m, d, t, accelerator, objective, dataset, target, record)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        summary = {"command": "accelerate launch scripts/train_drafter.py " + shlex.join(argv),
+        summary = {"command": "\n".join(record.commands),
                    "args": {**asdict(m), **asdict(d), **asdict(t)}, "base_model_hub_id": m.base_model_hub_id or hub_id,
                    "data": recipe, "training_vocab_size": len(vocab.vocab_ids) if vocab.vocab_ids is not None else
-                   target.config.vocab_size, "final_train_metrics": last,
-                   "train_seconds": round(time.time() - started, 1), "trainable_parameters":
+                   target.config.vocab_size, "final_train_metrics": record.last_metrics,
+                   "train_seconds": record.train_seconds, "trainable_parameters":
                    sum(p.numel() for p in head.parameters())}
         finish(m, d, t, accelerator, objective, target, tokenizer, summary, cache_root)
     accelerator.end_training()

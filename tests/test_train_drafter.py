@@ -64,6 +64,9 @@ def test_accelerate_launch_loss_falls_and_resume_is_exact(workspace):
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stdout + resumed.stderr
 
+    commands = json.loads((workspace / "resumed" / "training_summary.json").read_text())["command"].splitlines()
+    assert len(commands) == 2 and "--simulate_crash_after_step" in commands[0] and "latest" in commands[1]
+
     expected = load_file(str(workspace / "full" / "model.safetensors"))
     found = load_file(str(workspace / "resumed" / "model.safetensors"))
     assert expected.keys() == found.keys()
@@ -81,7 +84,9 @@ def test_yaml_config_medusa_online_features_card(workspace, tmp_path):
                       f"num_heads: 2\nnum_layers: 2\nmax_steps: 100\nper_device_batch_size: 4\nlearning_rate: 0.01\n"
                       f"warmup_steps: 1\nnum_threads: 1\ndata_cache_dir: {workspace / 'cache'}\n"
                       f"eval_prompts: {workspace / 'prompts.jsonl'}\ndistill_max_new_tokens: 8\n")
-    train_drafter.main(["--config", str(config), "--max_steps", "3", "--output_dir", str(tmp_path / "out")])
+    train_drafter.main(["--config", str(config), "--max_steps", "3", "--output_dir", str(tmp_path / "out"),
+                        "--save_dtype", "float16"])
+    assert {t.dtype for t in load_file(str(tmp_path / "out" / "model.safetensors")).values()} == {torch.float16}
     summary = json.loads((tmp_path / "out" / "training_summary.json").read_text())
     assert summary["args"]["max_steps"] == 3 and summary["args"]["num_layers"] == 2
     assert summary["held_out"]["prompts"] == 2 and len(summary["held_out"]["per_head_top1"]) == 2

@@ -1,0 +1,59 @@
+"""The committed heads for the bundled SmolLM2: load, pair, stay small, and (slow) still measure what their card says."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from hf_kvspec import load_bundled_heads
+from hf_kvspec.heads.bundled import bundled_heads_path
+from hf_kvspec.heads.pairing import BaseModelMismatchError, base_model_fingerprint
+from tests.tiny_models import tiny_model
+
+
+@pytest.mark.parametrize("kind", ["medusa", "eagle"])
+def test_bundled_heads_load_and_pair(bundled, kind):
+    model, _ = bundled
+    head = load_bundled_heads(kind, base_model=model)
+    assert head.config.base_model_fingerprint == base_model_fingerprint(model)
+    assert head.config.base_model_name_or_path == "bundled:smollm2-135m-instruct"
+    stored = load_file(str(bundled_heads_path(kind) / "model.safetensors"))
+    assert not [n for n in stored if "embed" in n or "lm_head" in n]
+    assert sum(t.numel() for t in stored.values()) < 5_000_000  # the 28M-parameter LM head is borrowed, not stored
+    ids = torch.tensor([[1, 504, 3458, 281, 253]])
+    out = model(ids, output_hidden_states=True)
+    if kind == "medusa":
+        assert head(out.hidden_states[-1]).logits.shape == (4, 1, 5, 49152)
+    else:
+        assert head(ids, features=head.collect_features(out.hidden_states)).logits.shape == (1, 5, 49152)
+    card = (bundled_heads_path(kind) / "README.md").read_text()
+    assert "base_model: HuggingFaceTB/SmolLM2-135M-Instruct" in card and "Chain τ" in card
+
+
+def test_bundled_heads_refuse_another_base():
+    with pytest.raises(BaseModelMismatchError):
+        load_bundled_heads("medusa", base_model=tiny_model("llama"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["medusa", "eagle"])
+def test_card_numbers_reproduce(bundled, kind):
+    """Re-measure on the held-out prompts (cached greedy answers regenerate if missing; ~3 min per head)."""
+    from hf_kvspec.heads.distill import DistillSettings, self_distill
+    from hf_kvspec.heads.evaluation import evaluate_head
+    from hf_kvspec.models import cache_dir
+
+    model, tokenizer = bundled
+    head = load_bundled_heads(kind, base_model=model)
+    summary = json.loads((bundled_heads_path(kind) / "training_summary.json").read_text())
+    prompts = [json.loads(line)["prompt"] for line in open(summary["held_out"]["source"])]
+    convs = self_distill(model, tokenizer, prompts, cache_dir() / "drafter_data" / "self_distill.jsonl",
+                         base_model_fingerprint(model), DistillSettings(max_new_tokens=128), progress=False)
+    measured = evaluate_head(head, model, convs).as_dict()
+    # fp16 storage of the head vs the fp32 head that was measured: a handful of argmax flips at most
+    assert measured["tau"] == pytest.approx(summary["held_out"]["tau"], abs=0.05)
+    for found, expected in zip(measured["per_head_top1"], summary["held_out"]["per_head_top1"]):
+        assert found == pytest.approx(expected, abs=0.02)
