@@ -1,7 +1,7 @@
 """Attention patches: kvspec_gqa vs sdpa/eager on the bundled model, MLA absorb vs stock DeepSeek attention.
 
     python scripts/benchmark.py attention [--contexts 512,2048,8192] [--mla-contexts 1024,4096,8192,16384]
-                                          [--decode-steps 8] [--mla-steps 4] [--repeats 3] [--skip-gqa|--skip-mla]
+                                          [--decode-steps 8] [--mla-steps 4] [--repeats 5] [--skip-gqa|--skip-mla]
 
 (a) GQA, bundled SmolLM2-135M (9 query / 3 KV heads, 30 layers, fp32, batch 1). Per context length the
     first ``context - chunk`` tokens are prefilled once (untimed, shared); each implementation then
@@ -13,6 +13,8 @@
     values (decode cost does not depend on them; a real 16k prefill would take minutes), then stock
     transformers attention and the absorbed forward alternate decode rounds on the same cache.
 
+Per-call columns (``*_attn_ms/us``, ``*_peak_mib``) time / profile one attention call of one layer with
+pre-allocated inputs: the part that differs between implementations, free of whole-model noise.
 Peak memory: transients of one attention call of one layer (prefill chunk / one decode token at that
 context), as live torch tensors from the profiler's memory timeline (exact); the rest of a forward is
 the same for every implementation. They include eager's score matrix, ``repeat_kv`` copies and stock
@@ -22,7 +24,6 @@ MLA's per-head expansion of every cached latent.
 from __future__ import annotations
 
 import json
-import statistics
 import tempfile
 import time
 import warnings
@@ -45,7 +46,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--mla-contexts", default="1024,4096,8192,16384")
     parser.add_argument("--mla-steps", type=int, default=4)
     parser.add_argument("--mla-layers", type=int, default=4)
-    parser.add_argument("--repeats", type=int, default=3, help="alternating decode rounds per implementation")
+    parser.add_argument("--repeats", type=int, default=5, help="alternating decode rounds per implementation")
     parser.add_argument("--skip-gqa", action="store_true")
     parser.add_argument("--skip-mla", action="store_true")
 
@@ -129,21 +130,22 @@ def _gqa_context(model, args, context: int) -> dict:
     for impl in GQA_IMPLS:
         model.set_attn_implementation(impl)
         row = rows[impl]
-        row["prefill_tok_s"] = chunk / statistics.median(row.pop("prefill"))
-        row["decode_tok_s"] = args.decode_steps / statistics.median(row.pop("decode"))
-        row["prefill_peak_mib"] = _gqa_call_peak(model, impl, chunk, context)
-        row["decode_peak_mib"] = _gqa_call_peak(model, impl, 1, context)
+        row["prefill_tok_s"] = chunk / min(row.pop("prefill"))
+        row["decode_tok_s"] = args.decode_steps / min(row.pop("decode"))
+        prefill_call, decode_call = _gqa_call(model, impl, chunk, context), _gqa_call(model, impl, 1, context)
+        row["prefill_peak_mib"], row["decode_peak_mib"] = torch_peak_mib(prefill_call), torch_peak_mib(decode_call)
+        row["prefill_attn_ms"], row["decode_attn_us"] = _call_us(prefill_call, 2.0) / 1e3, _call_us(decode_call)
         row["prefill_tokens"] = chunk
     print(f"  gqa context {context} done", flush=True)
     return rows
 
 
-def _gqa_call_peak(model, impl: str, q_len: int, context: int) -> float:
-    """MiB of transients in one attention call of one layer: ``q_len`` new tokens, ``context`` keys.
+def _gqa_call(model, impl: str, q_len: int, context: int):
+    """One attention call of one layer (``q_len`` new tokens, ``context`` keys) as a closure.
 
-    Measured on the attention function alone, with pre-allocated inputs and the mask each implementation
-    receives from transformers (none for an unpadded decode step or an empty cache, else the causal 4D
-    mask): the rest of a forward is the same for every implementation.
+    Pre-allocated inputs and the mask each implementation receives from transformers (none for an
+    unpadded decode step or an empty cache, else the causal 4D mask). The rest of a forward is the same
+    for every implementation, so this isolates what differs, free of whole-model timing noise.
     """
     from transformers import AttentionInterface
     from transformers.masking_utils import causal_mask_function, eager_mask, sdpa_mask
@@ -159,7 +161,19 @@ def _gqa_call_peak(model, impl: str, q_len: int, context: int) -> float:
         function, mask = eager_attention_forward, eager_mask(**sizes)
     else:
         function, mask = AttentionInterface()[impl], sdpa_mask(**sizes)
-    return torch_peak_mib(lambda: function(attn, query, key, value, mask, scaling=attn.scaling))
+    return lambda: function(attn, query, key, value, mask, scaling=attn.scaling)
+
+
+def _call_us(call, budget_s: float = 0.5) -> float:
+    """Fastest of repeated calls, in microseconds (the least contended estimate on a shared machine)."""
+    call()
+    best, spent = float("inf"), 0.0
+    while spent < budget_s:
+        start = time.perf_counter()
+        call()
+        elapsed = time.perf_counter() - start
+        best, spent = min(best, elapsed), spent + elapsed
+    return best * 1e6
 
 
 def _add_gqa_rows(report: Report, results: dict, context: int, rows: dict) -> None:
@@ -170,6 +184,7 @@ def _add_gqa_rows(report: Report, results: dict, context: int, rows: dict) -> No
                    decode_vs_base=round(row["decode_tok_s"] / base["decode_tok_s"], 3),
                    prefill_tokens=row["prefill_tokens"], prefill_tok_s=round(row["prefill_tok_s"], 1),
                    prefill_vs_base=round(row["prefill_tok_s"] / base["prefill_tok_s"], 3),
+                   prefill_attn_ms=round(row["prefill_attn_ms"], 2), decode_attn_us=round(row["decode_attn_us"], 1),
                    prefill_peak_mib=round(row["prefill_peak_mib"], 1), decode_peak_mib=round(row["decode_peak_mib"], 2))
 
 
@@ -208,15 +223,14 @@ class _FrozenCache:
         return self.keys, self.values
 
 
-def _mla_call_peak(model, cache, context: int) -> float:
-    """MiB of transients in one decode forward of layer 0's attention over ``context`` cached latents."""
+def _mla_call(model, cache, context: int):
+    """One decode forward of layer 0's attention over ``context`` cached latents, as a closure."""
     attn = model.model.layers[0].self_attn
     layer = cache.layers[0]
     frozen = _FrozenCache(layer.keys[:, :, :context], layer.values[:, :, :context])
     hidden = torch.randn(1, 1, model.config.hidden_size)
     embeddings = model.model.rotary_emb(hidden, torch.tensor([[context]]))
-    return torch_peak_mib(lambda: attn(hidden_states=hidden, position_embeddings=embeddings, attention_mask=None,
-                                       cache=frozen))
+    return lambda: attn(hidden_states=hidden, position_embeddings=embeddings, attention_mask=None, cache=frozen)
 
 
 def _run_mla(args, report: Report, results: dict) -> None:
@@ -240,18 +254,21 @@ def _run_mla(args, report: Report, results: dict) -> None:
             times["stock"].append(_decode(model, cache, token, args.mla_steps))
             with enable_mla_absorb(model):
                 times["absorbed"].append(_decode(model, cache, token, args.mla_steps))
-        peaks = {"stock": _mla_call_peak(model, cache, context)}
+        calls = {"stock": _call_us(_mla_call(model, cache, context))}
+        peaks = {"stock": torch_peak_mib(_mla_call(model, cache, context))}
         with enable_mla_absorb(model):
-            peaks["absorbed"] = _mla_call_peak(model, cache, context)
+            calls["absorbed"] = _call_us(_mla_call(model, cache, context))
+            peaks["absorbed"] = torch_peak_mib(_mla_call(model, cache, context))
         stored = sum(t.nbytes for layer in cache.layers for t in (layer.keys, layer.values))
         per_token_layer = stored / (context * config.num_hidden_layers)
         assert stored == kv_cache_bytes(config, context, 1, dtype=torch.float32), "cache is not latent-only"
-        base = args.mla_steps / statistics.median(times["stock"])
+        base = args.mla_steps / min(times["stock"])
         for impl in ("stock", "absorbed"):
-            rate = args.mla_steps / statistics.median(times[impl])
+            rate = args.mla_steps / min(times[impl])
             results.setdefault(("mla", impl), []).append((context, rate, None))
             report.add(part="mla", impl=impl, context=context, decode_tok_s=round(rate, 2),
-                       decode_vs_base=round(rate / base, 3), decode_peak_mib=round(peaks[impl], 2),
+                       decode_vs_base=round(rate / base, 3), decode_attn_us=round(calls[impl], 1),
+                       decode_peak_mib=round(peaks[impl], 2),
                        cache_bytes_per_token_layer=int(per_token_layer),
                        expanded_bytes_per_token_layer=expanded * 4)
         del cache
@@ -278,16 +295,18 @@ def run(args) -> None:
     report = Report(
         "attention", "Attention patches: kvspec_gqa vs sdpa/eager, MLA absorb vs stock (CPU, fp32, batch 1)",
         ["part", "impl", "context", "decode_tok_s", "decode_vs_base", "prefill_tokens", "prefill_tok_s",
-         "prefill_vs_base",
+         "prefill_vs_base", "prefill_attn_ms", "decode_attn_us",
          "prefill_peak_mib", "decode_peak_mib", "cache_bytes_per_token_layer", "expanded_bytes_per_token_layer"],
         settings=vars(args),
     )
     report.notes += [
         "Ratios are vs the baseline measured in the same run (gqa: sdpa, mla: stock); decode rounds alternate "
-        "implementations; median of rounds. The machine was shared with other jobs: expect ±10% noise.",
+        "implementations; fastest round (on a machine shared with other jobs the minimum is the least "
+        "contended estimate of each implementation's own cost; expect ±10% noise in ratios).",
         "prefill_tok_s: the last prefill_tokens of the context prefilled on a cache holding the rest (chunked "
-        "prefill at that depth). Peak MiB: transients of one attention call of one layer (prefill chunk or one "
-        "decode token at that context; torch profiler memory timeline), per layer and call.",
+        "prefill at that depth). prefill_attn_ms / decode_attn_us: fastest of repeated calls of one layer's "
+        "attention alone (prefill chunk / one decode token at that context). Peak MiB: transients of that "
+        "call (torch profiler memory timeline), per layer and call.",
         "MLA cache rows: bytes actually stored per token per layer (c_kv + k_rot, asserted equal to "
         "kv_cache_bytes) vs what per-head K/V of the same model would take.",
     ]
