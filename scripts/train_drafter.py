@@ -147,13 +147,6 @@ def load_target(spec: str):
     return model.eval().requires_grad_(False), tokenizer, recorded, hub_id
 
 
-def read_prompts(path: str, column: str = "prompt") -> list[str]:
-    text = Path(path).read_text()
-    if path.endswith((".jsonl", ".json")):
-        return [json.loads(line)[column] for line in text.splitlines() if line.strip()]
-    return [line for line in text.splitlines() if line.strip()]
-
-
 def build_sources(d: DataArguments, target, tokenizer, cache_root: Path) -> list[tuple[dict, list[dict]]]:
     """[(recipe row, examples)] per ``--dataset`` source; the recipe row says what went in, for the card."""
     columns = data_lib.Columns(d.text_column, d.prompt_column, d.response_column)
@@ -232,22 +225,6 @@ def _examples_hash(examples: list[dict]) -> str:
     for example in examples:
         digest.update(json.dumps([example["input_ids"], example["prompt_length"]]).encode())
     return digest.hexdigest()
-
-
-def training_vocabulary(t: TrainArguments, dataset, vocab_size: int) -> TrainingVocabulary:
-    """Full vocabulary, or the tokens that occur as labels (data tokens and target predictions), optionally only the
-    ``train_vocab_size`` most frequent ones (see objectives.py: training only, inference stays exact)."""
-    if t.train_vocab == "full":
-        return TrainingVocabulary(vocab_size)
-    counts = torch.zeros(vocab_size, dtype=torch.long)
-    for item in dataset:
-        counts += torch.bincount(torch.as_tensor(item["input_ids"]), minlength=vocab_size)
-        if "target_tokens" in item:
-            counts += torch.bincount(item["target_tokens"], minlength=vocab_size)
-    seen = counts.nonzero().flatten()
-    if t.train_vocab_size is not None and len(seen) > t.train_vocab_size:
-        seen = counts.topk(t.train_vocab_size).indices
-    return TrainingVocabulary(vocab_size, seen)
 
 
 def with_features(batch: dict, target, layers: list[int], device) -> dict:
@@ -385,7 +362,7 @@ def held_out(d: DataArguments, head, target, tokenizer, cache_root: Path) -> dic
     """Per-head top-1 and chain tau on the target's greedy answers to ``--eval_prompts``."""
     if not d.eval_prompts:
         return None
-    prompts = read_prompts(d.eval_prompts, d.prompt_column)
+    prompts = data_lib.read_prompts(d.eval_prompts, d.prompt_column)
     convs = self_distill(target, tokenizer, prompts, cache_root / "self_distill.jsonl",
                          base_model_fingerprint(target), distill_settings(d))
     result = evaluate_head(head, target, convs).as_dict()
@@ -431,7 +408,8 @@ def main(argv: list[str] | None = None) -> None:
         accelerator.print(f"data ready: {json.dumps(recipe)}")
         return
     head = build_head(m, target, recorded_name)
-    vocab = training_vocabulary(t, dataset, target.config.vocab_size)
+    vocab = (TrainingVocabulary(target.config.vocab_size) if t.train_vocab == "full" else
+             TrainingVocabulary.from_label_counts(dataset, target.config.vocab_size, t.train_vocab_size))
     objective = TrainingObjective(head, vocab, d.label_source, t.unroll_steps, t.feature_loss_weight, t.loss_decay)
     record = RunRecord(commands=["accelerate launch scripts/train_drafter.py " + shlex.join(argv)])
     train(m, d, t, accelerator, objective, dataset, target, record)

@@ -13,6 +13,7 @@ Source specs (``--dataset`` may be repeated):
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,6 +45,14 @@ def load_source(spec: str, split: str = "train"):
         return datasets.load_dataset("json", data_files=str(path), split="train")
     name, _, config = spec.partition(":")
     return datasets.load_dataset(name, config or None, split=split)
+
+
+def read_prompts(path: str, column: str = "prompt") -> list[str]:
+    """Prompts from a JSONL/JSON-lines file (``column`` of each row) or a text file (one per non-empty line)."""
+    text = Path(path).read_text()
+    if path.endswith((".jsonl", ".json")):
+        return [json.loads(line)[column] for line in text.splitlines() if line.strip()]
+    return [line for line in text.splitlines() if line.strip()]
 
 
 def text_windows(tokenizer, texts: list[str], max_length: int, min_length: int = 16) -> list[dict]:

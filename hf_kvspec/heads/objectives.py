@@ -41,6 +41,20 @@ class TrainingVocabulary:
             self.column = torch.full((vocab_size,), -1, dtype=torch.long)
             self.column[self.vocab_ids] = torch.arange(len(self.vocab_ids))
 
+    @classmethod
+    def from_label_counts(cls, dataset, vocab_size: int, max_size: int | None = None) -> TrainingVocabulary:
+        """The tokens that occur as labels in ``dataset`` (data tokens and target predictions), optionally only the
+        ``max_size`` most frequent ones."""
+        counts = torch.zeros(vocab_size, dtype=torch.long)
+        for item in dataset:
+            counts += torch.bincount(torch.as_tensor(item["input_ids"]), minlength=vocab_size)
+            if "target_tokens" in item:
+                counts += torch.bincount(item["target_tokens"], minlength=vocab_size)
+        seen = counts.nonzero().flatten()
+        if max_size is not None and len(seen) > max_size:
+            seen = counts.topk(max_size).indices
+        return cls(vocab_size, seen)
+
     def logits(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """hidden [..., H], weight [V, H] -> logits [..., V'] (V' = V without restriction)."""
         if self.vocab_ids is not None:
