@@ -16,11 +16,14 @@ the window (unlike transformers' ``QuantizedCache``, which quantizes the whole p
 history at every flush).
 
 Read rule: every forward attends to exactly what the cache stores after its update — tokens flushed by this
-very update are read back dequantized. So a token's representation depends only on its position and the
-tokens before it, never on how many tokens a forward carried: with per-token methods (int8/fp8, window 0)
-speculative verification over K+1 tokens sees bit-for-bit what K+1 single-token steps would see. Deviation
-from KIVI: its prefill attends the whole prompt at full precision; here the prompt's flushed groups are read
-quantized already in the prefill forward (the newest ``residual_length`` tokens stay exact).
+very update are read back dequantized. With per-token methods (int8/fp8) and window 0, every token therefore
+has one fixed representation from its first read on, whatever the number of tokens per forward: speculative
+verification over K+1 tokens reads bit-for-bit what K+1 single steps read. KIVI cannot promise that: a key is
+read exact until its group completes and quantized afterwards, so a verify forward that straddles a flush
+reads, for its earlier queries, a few tokens quantized that single steps still read exact (one tensor serves
+all queries of a forward). Deviation from KIVI: its prefill attends the whole prompt at full precision; here
+the prompt's flushed groups are read quantized already in the prefill forward (the newest
+``residual_length`` tokens stay exact).
 
 Crop rule (``crop(-k)``, used to roll back rejected speculative tokens):
     * tokens removed from the window only: exact, nothing else changes;
@@ -29,8 +32,9 @@ Crop rule (``crop(-k)``, used to roll back rejected speculative tokens):
       kept token keeps its position. Those (at most ``group_size - 1``) tokens get quantized a second time when
       the window flushes them again — the only case in which a token is quantized twice. int8/fp8 units are
       single tokens, so crops there never dequantize anything.
-    * after a crop the store may hold more tokens than the formula for the new length (nothing is un-quantized);
-      the window still never exceeds ``residual_length``.
+    * after a crop the store may hold more tokens than the formula for the new length (nothing is un-quantized),
+      so ``nbytes()`` can exceed ``kv_cache_bytes`` for that length; the window still never holds more than
+      ``max(residual_length, group_size - 1)`` tokens.
 
 Deviations from KIVI (arXiv:2402.02750): none in the quantization itself (per-channel keys, per-token values,
 asymmetric, fp16 scale/zero, whole-group flushes); sink tokens follow KVQuant/StreamingLLM (arXiv:2401.18079,

@@ -234,3 +234,22 @@ def test_factory_names():
         cache = make_cache(name, CONFIG)
         assert isinstance(cache, QuantizedKVCache) and cache.is_croppable
         assert (cache.settings.method, cache.settings.bits, cache.settings.group_size) == (method, bits, group)
+
+
+@pytest.mark.parametrize("name", ["int8", "fp8"])
+def test_store_dequantize_into_equals_reference_ops(name):
+    """The layer's in-place dequantization (copy_ + mul_) vs the plain functions of quant_ops."""
+    from hf_kvspec.cache import quant_ops as ops
+
+    cache = QuantizedKVCache(CONFIG, **SETTINGS[name])
+    _grow(cache, [20])
+    store = cache.layers[0].store
+    keys, values = store.dequantize(torch.float32)
+    s = store.state
+    if name == "int8":
+        expected = ops.dequantize_int8(s["k.codes"], s["k.scale"], torch.float32), \
+            ops.dequantize_int8(s["v.codes"], s["v.scale"], torch.float32)
+    else:
+        expected = ops.dequantize_fp8(s["k.codes"], s["k.scale_head"], torch.float32), \
+            ops.dequantize_fp8(s["v.codes"], s["v.scale_head"], torch.float32)
+    assert torch.equal(keys, expected[0]) and torch.equal(values, expected[1])
