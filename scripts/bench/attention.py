@@ -311,9 +311,10 @@ def run(args) -> None:
         "kv_cache_bytes) vs what per-head K/V of the same model would take.",
     ]
     results: dict = {}
-    if not args.skip_gqa:
-        _run_gqa(args, report, results)
-    if not args.skip_mla:
-        _run_mla(args, report, results)
+    with torch.inference_mode():  # no autograd graph: cached K/V would otherwise keep every activation alive
+        if not args.skip_gqa:
+            _run_gqa(args, report, results)
+        if not args.skip_mla:
+            _run_mla(args, report, results)
     report.write()
     save_plot("attention", _draw(results))
