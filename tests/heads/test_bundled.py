@@ -10,6 +10,7 @@ from safetensors.torch import load_file
 
 from hf_kvspec import load_bundled_heads
 from hf_kvspec.heads.bundled import bundled_heads_path
+from hf_kvspec.heads.data import read_prompts
 from hf_kvspec.heads.pairing import BaseModelMismatchError, base_model_fingerprint
 from tests.tiny_models import tiny_model
 
@@ -49,7 +50,7 @@ def test_card_numbers_reproduce(bundled, kind):
     model, tokenizer = bundled
     head = load_bundled_heads(kind, base_model=model)
     summary = json.loads((bundled_heads_path(kind) / "training_summary.json").read_text())
-    prompts = [json.loads(line)["prompt"] for line in open(summary["held_out"]["source"])]
+    prompts = read_prompts(summary["held_out"]["source"])
     convs = self_distill(model, tokenizer, prompts, cache_dir() / "drafter_data" / "self_distill.jsonl",
                          base_model_fingerprint(model), DistillSettings(max_new_tokens=128), progress=False)
     measured = evaluate_head(head, model, convs).as_dict()

@@ -25,7 +25,7 @@ def _setup(tmp_path):
 def test_oracle_drafts_from_the_greedy_text_are_all_accepted(tmp_path, monkeypatch):
     target, convs, heads = _setup(tmp_path)
 
-    def oracle(head, features, input_ids, depth):  # draft k at row t = text token t+k+2 (independent of target)
+    def oracle(head, features, input_ids, depth, start=0):  # draft k at row t = text token t+k+2 (independent of target)
         size = input_ids.shape[1]
         padded = torch.cat([input_ids[0], torch.full((depth + 2,), -1)])
         return torch.stack([padded[torch.arange(size) + k + 2] for k in range(depth)])
@@ -40,7 +40,7 @@ def test_oracle_drafts_from_the_greedy_text_are_all_accepted(tmp_path, monkeypat
 
 def test_never_right_drafts_give_tau_one(tmp_path, monkeypatch):
     target, convs, heads = _setup(tmp_path)
-    monkeypatch.setattr(evaluation, "draft_tokens", lambda h, f, ids, depth: torch.full((depth, ids.shape[1]), -1))
+    monkeypatch.setattr(evaluation, "draft_tokens", lambda h, f, ids, depth, start=0: torch.full((depth, ids.shape[1]), -1))
     tally = evaluation.evaluate_head(heads, target, convs, depth=3)
     assert tally.per_head_top1 == [0.0, 0.0, 0.0] and tally.tau == 1.0
 
@@ -49,3 +49,15 @@ def test_real_heads_run_through_evaluation(tmp_path):
     target, convs, heads = _setup(tmp_path)
     tally = evaluation.evaluate_head(heads, target, convs)
     assert len(tally.per_head_top1) == 3 and 1.0 <= tally.tau <= 4.0
+
+
+def test_skipping_prompt_rows_changes_nothing_after_them():
+    target = tiny_model("llama", seed=0)
+    heads = MedusaHeads(MedusaConfig.for_base_model(target, "t", num_heads=2)).attach(target)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    ids = torch.randint(3, 96, (1, 10))
+    features = target(ids, output_hidden_states=True).hidden_states[-1]
+    full, partial = (evaluation.draft_tokens(heads, features, ids, 2, start) for start in (0, 4))
+    assert torch.equal(full[:, 4:], partial[:, 4:]) and (partial[:, :4] == -1).all()
