@@ -34,6 +34,7 @@ class QuantizedStore(ABC):
 
     def start(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Called with the layer's first states [B, H, S, D] (calibration hook; most stores ignore it)."""
+        return None  # an optional hook, not an abstract method
 
     @abstractmethod
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
@@ -116,7 +117,7 @@ class KiviStore(QuantizedStore):
 
     def geometry(self):
         kc, vc = self.keys.codes, self.values.codes  # [B, H, N, G·b/8, D], [B, H, S, D·b/8]
-        return kc.shape[:2] + kc.shape[-1:], vc.shape[:2] + (vc.shape[-1] * 8 // self.bits,), kc.device
+        return (*kc.shape[:2], kc.shape[-1]), (*vc.shape[:2], vc.shape[-1] * 8 // self.bits), kc.device
 
     def _slice(self, units):
         tokens = units * self.granularity
@@ -192,5 +193,5 @@ class Fp8Store(_PerTokenStore):
 
     def dequantize_into(self, keys_out, values_out):
         s = self.state
-        keys_out.copy_(s["k.codes"]).mul_(s["k.scale_head"])  # = ops.dequantize_fp8, without a temporary
-        values_out.copy_(s["v.codes"]).mul_(s["v.scale_head"])
+        ops.dequantize_fp8_into(keys_out, s["k.codes"], s["k.scale_head"])
+        ops.dequantize_fp8_into(values_out, s["v.codes"], s["v.scale_head"])
