@@ -272,8 +272,9 @@ class QuantizedKVCache(Cache):
         super().__init__(layers=layers)
 
     def nbytes(self) -> int:
-        """Bytes actually stored over all layers (equals ``kv_cache_bytes(config, S, B, dtype,
-        **settings.memory_kwargs())`` for a cache grown by updates, after subtracting/adding the sinks)."""
+        """Bytes actually stored over all layers. For a cache grown by updates this equals
+        ``kv_cache_bytes(config, S - n, B, dtype, **settings.memory_kwargs()) + kv_cache_bytes(config, n, B, dtype)``
+        with ``n = min(S, sink_tokens)`` (the sinks are kept at full precision)."""
         return sum(layer.nbytes() for layer in self.layers)
 
     def __repr__(self) -> str:

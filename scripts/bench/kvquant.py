@@ -1,6 +1,6 @@
 """Quantized KV caches on real text: Δppl through the cache, bytes at 4k tokens, decode speed, greedy agreement.
 
-    python scripts/benchmark.py kvquant                 # full run (~10 min on one busy CPU thread)
+    python scripts/benchmark.py kvquant --decode-steps 8   # the committed run (~13 min, one CPU thread)
     python scripts/benchmark.py kvquant --quick         # smoke run (~1 min)
 
 Model: the bundled SmolLM2-135M-Instruct (fp32). Text: held-out files of the ``python-docs`` corpus (Python 3.11
