@@ -39,8 +39,8 @@ def _run_memory(args) -> None:
     dtype = _DTYPES[args.dtype]
     quant = {"bits": args.bits, "group_size": args.group_size, "residual_length": args.residual_length}
     per_seq = kv_cache_bytes(config, args.seq_len, 1, dtype, **quant)
-    per_token = kv_cache_bytes(config, 1, 1, dtype, **{**quant, "residual_length": 0}) if args.bits is None \
-        else per_seq / max(args.seq_len, 1)
+    # quantized storage has no per-token size of its own (groups, residual window): report the average
+    per_token = kv_cache_bytes(config, 1, 1, dtype) if args.bits is None else per_seq / max(args.seq_len, 1)
     storage = f"{args.bits}-bit, group {args.group_size}" if args.bits else args.dtype
     print(f"{args.config}: {config.num_hidden_layers} layers, KV storage {storage}")
     print(f"  per token:    {format_bytes(per_token)} ({per_token:,.0f} B)")
