@@ -7,16 +7,25 @@ cache or a model; masks arrive in transformers' conventions (see ``masks.py``).
 Shape legend: ``B`` batch, ``Hq`` query heads, ``Hkv`` key/value heads, ``G = Hq / Hkv`` (GQA ratio),
 ``T`` query tokens, ``S`` key tokens, ``D`` head dim, ``Dv`` value head dim.
 
-Why: eager and transformers' SDPA path on CPU copy K and V ``G`` times (``repeat_kv``) whenever a mask
-is present with more than one query token (padded prefill, chunked prefill, speculative verification
-with a tree mask): ``2·(G-1)·Hkv·S·D`` extra elements per layer and call. Instead:
+Why: eager, and transformers' SDPA path on CPU, copy K and V ``G`` times (``repeat_kv``) whenever a
+mask is present with more than one query token (padded prefill, chunked prefill, speculative
+verification with a tree mask): ``2·(G-1)·Hkv·S·D`` extra elements per layer and call.
 
-* short queries (``T <= FOLD_MAX_QUERY_TOKENS``: decode, draft verification, trees) fold the ``G``
-  query heads of a group onto their shared KV head, ``[B, Hq, T, D] -> [B, Hkv, G·T, D]``, and attend as
-  plain multi-head attention; only the mask is repeated, ``G·T·S`` booleans;
-* long queries (prefill chunks) call SDPA with ``enable_gqa=True``. On CPU that runs torch's flash
-  kernel, which indexes the shared head itself (measured: no K/V copy, with or without a mask). On
-  other devices a mask sends ``enable_gqa`` to the math kernel, so masked calls fold there too.
+Which path, per call (``_should_fold``; G > 1, measured on CPU in ``docs/attention.md``):
+
+* **fold** the ``G`` query heads of a group onto their shared KV head, ``[B, Hq, T, D] -> [B, Hkv, G·T, D]``,
+  and attend as plain multi-head attention, for a single query token (decode, with or without a
+  padding mask) and for masked short queries (``T <= FOLD_MAX_QUERY_TOKENS``: verification, trees).
+  Each K/V head is read once per group instead of once per query head: an unpadded decode step at
+  2k-8k keys takes ~0.8x the time of transformers' ``enable_gqa`` call there with K/V out of cache,
+  as in a real forward. Only the mask is repeated, ``G·T·S`` elements;
+* **SDPA with** ``enable_gqa=True`` for everything else on CPU: no mask and ``T > 1`` (``is_causal``,
+  exactly transformers' own call) and masked long queries (prefill chunks), where torch's CPU flash
+  kernel indexes the shared head itself (no K/V copy) and is as fast as sdpa's ``repeat_kv`` + flash.
+  On other devices a mask sends ``enable_gqa`` to the math kernel, so masked long queries fold there.
+
+Masks are built by ``additive_sdpa_mask`` (float, once per forward) rather than ``sdpa_mask`` (bool,
+which SDPA converts to float inside every layer's call); bool and integer masks still work.
 """
 
 from __future__ import annotations
@@ -25,11 +34,11 @@ import torch
 import torch.nn.functional as F
 
 from hf_kvspec import _compat
-from hf_kvspec.attention.masks import explicit_mask, fold_mask, implicit_causal, normalize_mask
+from hf_kvspec.attention.masks import additive_sdpa_mask, fold_mask, implicit_causal, normalize_mask
 from hf_kvspec.attention.patch import AttentionPatch
 
 ATTN_NAME = "kvspec_gqa"
-FOLD_MAX_QUERY_TOKENS = 64  # folded mask G·T·S bools stays far below one repeat_kv copy at T <= 64
+FOLD_MAX_QUERY_TOKENS = 64  # folded mask G·T·S floats stays below one repeat_kv copy at T <= 64
 
 _saved_entries: dict[str, tuple] = {}  # what was registered under ATTN_NAME before register_gqa()
 
@@ -49,29 +58,35 @@ def gqa_attention_forward(
     _reject_unsupported(kwargs)
     groups = _group_count(query, key)
     q_len = query.shape[2]
-    causal = implicit_causal(attention_mask, q_len, getattr(module, "is_causal", True), is_causal)
+    mask = normalize_mask(attention_mask, query.dtype)
+    causal = implicit_causal(mask, q_len, getattr(module, "is_causal", True), is_causal)
     if causal and key.shape[2] > q_len:
         # transformers only drops the mask in that case when the extra keys are unused static-cache slots
         key, value = key[:, :, :q_len], value[:, :, :q_len]
-    if groups > 1 and _should_fold(q_len, attention_mask, query.device):
-        out = _folded_attention(query, key, value, attention_mask, causal, groups, dropout, scaling)
+    if groups > 1 and _should_fold(q_len, mask, query.device):
+        out = _folded_attention(query, key, value, mask, groups, dropout, scaling)
     else:
         out = F.scaled_dot_product_attention(
-            query, key, value, attn_mask=normalize_mask(attention_mask), dropout_p=dropout,
-            is_causal=causal, scale=scaling, enable_gqa=groups > 1,
+            query, key, value, attn_mask=mask, dropout_p=dropout, is_causal=causal, scale=scaling,
+            enable_gqa=groups > 1,
         )
     return out.transpose(1, 2).contiguous(), None
 
 
 def _should_fold(q_len: int, mask: torch.Tensor | None, device: torch.device) -> bool:
-    return q_len <= FOLD_MAX_QUERY_TOKENS or (mask is not None and device.type != "cpu")
+    """The per-call rule of the module docstring (only asked when G > 1)."""
+    if mask is None:  # T == 1: decode sees every key; T > 1: causal, left to SDPA's is_causal
+        return q_len == 1
+    return q_len <= FOLD_MAX_QUERY_TOKENS or device.type != "cpu"
 
 
-def _folded_attention(query, key, value, mask, causal, groups, dropout, scaling) -> torch.Tensor:
-    """``[B, Hq, T, D]`` queries attended as ``[B, Hkv, G·T, D]``; returns ``[B, Hq, T, Dv]``."""
+def _folded_attention(query, key, value, mask, groups, dropout, scaling) -> torch.Tensor:
+    """``[B, Hq, T, D]`` queries attended as ``[B, Hkv, G·T, D]``; returns ``[B, Hq, T, Dv]``.
+
+    ``mask`` is explicit (``None`` only for a single query token that sees every key).
+    """
     batch, q_heads, q_len, _ = query.shape
     kv_heads = key.shape[1]
-    mask = explicit_mask(mask, q_len, key.shape[2], causal, query.device)
     folded = query.reshape(batch, kv_heads, groups * q_len, query.shape[-1])
     out = F.scaled_dot_product_attention(
         folded, key, value, attn_mask=fold_mask(mask, groups, kv_heads), dropout_p=dropout, scale=scaling
@@ -98,17 +113,17 @@ def register_gqa() -> None:
     """Register ``kvspec_gqa`` with ``AttentionInterface`` and its mask with ``AttentionMaskInterface``.
 
     The mask entry matters: without it transformers builds no mask at all for an unknown implementation
-    name and padding would be silently ignored. SDPA's bool masks (``None`` when ``is_causal`` suffices)
-    are exactly what this function consumes. Idempotent.
+    name and padding would be silently ignored. ``additive_sdpa_mask`` is ``sdpa_mask`` (``None`` when
+    ``is_causal`` suffices) as a float mask built once per forward. Idempotent.
     """
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    from transformers.masking_utils import AttentionMaskInterface
 
-    if _compat.attention_entries(ATTN_NAME) == (gqa_attention_forward, sdpa_mask):
+    if _compat.attention_entries(ATTN_NAME) == (gqa_attention_forward, additive_sdpa_mask):
         return
     _saved_entries.setdefault(ATTN_NAME, _compat.attention_entries(ATTN_NAME))
     AttentionInterface.register(ATTN_NAME, gqa_attention_forward)
-    AttentionMaskInterface.register(ATTN_NAME, sdpa_mask)
+    AttentionMaskInterface.register(ATTN_NAME, additive_sdpa_mask)
 
 
 def unregister_gqa() -> None:

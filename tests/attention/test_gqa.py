@@ -18,6 +18,7 @@ from hf_kvspec.attention.gqa import (
     register_gqa,
     unregister_gqa,
 )
+from hf_kvspec.attention.masks import additive_sdpa_mask
 from tests.tiny_models import left_padded_batch, tiny_model
 
 TOL = 1e-5  # fp32, head dim 16-64: summation-order differences between kernels stay ~1e-6
@@ -87,6 +88,57 @@ def test_missing_mask_means_causal_like_sdpa(q_len):
     torch.testing.assert_close(out, eager_reference(query, key, value, keep, 0.25), atol=TOL, rtol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("q_len,kv_len,padded", [(1, 9, False), (1, 9, True), (4, 9, False), (9, 9, False), (9, 9, True)])
+def test_registered_mask_is_eager_mask_with_sdpa_none_shortcut(dtype, q_len, kv_len, padded):
+    """Float values exactly as transformers' ``eager_mask``; ``None`` exactly where ``sdpa_mask`` skips."""
+    from transformers.masking_utils import eager_mask, sdpa_mask
+
+    padding = torch.ones(2, kv_len, dtype=torch.bool)
+    if padded:
+        padding[1, :3] = False
+    sizes = dict(batch_size=2, q_length=q_len, kv_length=kv_len, q_offset=kv_len - q_len, attention_mask=padding)
+    built = additive_sdpa_mask(**sizes, dtype=dtype, allow_is_causal_skip=True)
+    if sdpa_mask(**sizes, allow_is_causal_skip=True) is None:
+        assert built is None
+    else:
+        assert built.dtype == dtype and torch.equal(built, eager_mask(**sizes, dtype=dtype))
+    assert (built is None) == (not padded and (q_len == 1 or q_len == kv_len))  # the shortcut is really taken
+
+
+def test_float_mask_of_another_dtype_is_cast_to_the_query_dtype():
+    """transformers may build the mask in a dtype other than the attention's (e.g. under autocast)."""
+    torch.manual_seed(1)
+    query = torch.randn(2, 6, 3, 16, dtype=torch.bfloat16)
+    key, value = torch.randn(2, 2, 2, 8, 16, dtype=torch.bfloat16).unbind(0)
+    keep = make_mask("left_padding", 2, 3, 8, 6)
+    mask = torch.zeros(keep.shape).masked_fill(~keep, torch.finfo(torch.float32).min)  # float32 mask
+    out, _ = gqa_attention_forward(_Module(), query, key, value, mask, scaling=0.25)
+    expected = eager_reference(query.float(), key.float(), value.float(), keep, 0.25)
+    torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=0)  # bf16: 8 mantissa bits, |out| < 3
+
+
+@pytest.mark.parametrize("q_len,masked,folds", [(1, False, True), (1, True, True), (9, False, False),
+                                                (FOLD_MAX_QUERY_TOKENS, True, True),
+                                                (FOLD_MAX_QUERY_TOKENS + 1, True, False)])
+def test_dispatch_rule_on_cpu(monkeypatch, q_len, masked, folds):
+    """Decode and masked short queries fold; unmasked T > 1 and masked long queries call SDPA with enable_gqa."""
+    calls = []
+    real_sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(query, key, *args, **kwargs):
+        calls.append((query.shape[1] == key.shape[1], kwargs.get("enable_gqa", False)))
+        return real_sdpa(query, key, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    kv_len = q_len if not masked and q_len > 1 else q_len + 5
+    query = torch.randn(1, 6, q_len, 16)
+    key, value = torch.randn(2, 1, 2, kv_len, 16).unbind(0)
+    mask = make_mask("left_padding", 1, q_len, kv_len, 6) if masked else None
+    gqa_attention_forward(_Module(), query, key, value, mask, scaling=0.25)
+    assert calls == ([(True, False)] if folds else [(False, True)])  # (same head count: folded, enable_gqa)
+
+
 def test_head_count_mismatch_is_a_clear_error():
     query, key = torch.randn(1, 6, 2, 8), torch.randn(1, 4, 2, 8)
     with pytest.raises(ValueError, match="not a multiple"):
@@ -110,13 +162,13 @@ def registered():
 
 def test_registration_idempotent_and_reversible():
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    from transformers.masking_utils import AttentionMaskInterface
 
     assert _compat.attention_entries(ATTN_NAME) == (None, None)
     hf_kvspec.register()
     hf_kvspec.register()
     assert AttentionInterface()[ATTN_NAME] is gqa_attention_forward
-    assert AttentionMaskInterface()[ATTN_NAME] is sdpa_mask
+    assert AttentionMaskInterface()[ATTN_NAME] is additive_sdpa_mask
     hf_kvspec.unregister()
     assert _compat.attention_entries(ATTN_NAME) == (None, None)
     hf_kvspec.unregister()  # safe when nothing is registered
