@@ -40,11 +40,19 @@ class CardFields:
     def from_summary(cls, summary: dict, **overrides) -> CardFields:
         """From ``training_summary.json`` written by ``scripts/train_drafter.py``."""
         args = summary.get("args", {})
-        paragraph = (f"{args.get('max_steps')} optimizer steps, batch {args.get('per_device_batch_size')} x "
+        stopped = summary.get("stopped_at_step")
+        steps = f"{stopped} of {args.get('max_steps')} planned" if stopped is not None else str(args.get('max_steps'))
+        paragraph = (f"{steps} optimizer steps, batch {args.get('per_device_batch_size')} x "
                      f"{args.get('gradient_accumulation_steps')} accumulation, AdamW lr {args.get('learning_rate')} "
                      f"with {args.get('warmup_steps')} warm-up steps and cosine decay, labels from "
                      f"`{args.get('label_source')}`, training softmax over {summary.get('training_vocab_size')} "
                      f"tokens (inference uses the full vocabulary), {summary.get('train_seconds')} s wall clock.")
+        if stopped is not None:
+            paragraph += (f" The run was stopped by its `--max_train_seconds {args.get('max_train_seconds')}` cap "
+                          f"after {stopped} of the {args.get('max_steps')} steps (the learning rate had not finished "
+                          f"its decay).")
+        if args.get("mixed_precision") not in (None, "no"):
+            paragraph += f" Mixed precision: {args['mixed_precision']}."
         fields = dict(base_model_hub_id=summary.get("base_model_hub_id"), command=summary.get("command"),
                       data=summary.get("data", []), held_out=summary.get("held_out"),
                       final_train_metrics=summary.get("final_train_metrics"), training_paragraph=paragraph,

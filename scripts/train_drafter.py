@@ -109,6 +109,9 @@ class TrainArguments:
     push_to_hub: bool = False
     hub_model_id: str | None = None
     hub_private: bool = False
+    max_train_seconds: float | None = field(default=None, metadata={
+        "help": "wall-clock cap on the training loop (this process); when hit, training stops after the current "
+                "step and the head is saved and evaluated as usual. The schedule still follows --max_steps."})
     simulate_crash_after_step: int | None = field(default=None, metadata={"help": "testing: SIGKILL after step"})
 
 
@@ -251,6 +254,7 @@ class RunRecord:
     seconds_before: float = 0.0
     started: float = field(default_factory=time.time)
     last_metrics: dict = field(default_factory=dict)
+    stopped_at_step: int | None = None  # set when --max_train_seconds cut the run short
 
     @property
     def train_seconds(self) -> float:
@@ -318,10 +322,21 @@ def train(m, d, t, accelerator, objective, dataset, target, record: RunRecord) -
                 save_checkpoint(accelerator, output_dir, completed, record)
             if completed == t.simulate_crash_after_step:
                 os.kill(os.getpid(), signal.SIGKILL)  # testing aid: die like a killed job, no cleanup
-            if completed >= t.max_steps:
+            if completed >= t.max_steps or _out_of_time(t, record):
                 break
+        if _out_of_time(t, record):
+            accelerator.print(f"--max_train_seconds {t.max_train_seconds} reached: stopping at step {completed} of "
+                              f"{t.max_steps}")
+            record.stopped_at_step = completed
+            if completed % t.save_steps:
+                save_checkpoint(accelerator, output_dir, completed, record)
+            break
         epoch, skip = epoch + 1, 0
     bar.close()
+
+
+def _out_of_time(t: TrainArguments, record: RunRecord) -> bool:
+    return t.max_train_seconds is not None and time.time() - record.started >= t.max_train_seconds
 
 
 class _Window:
@@ -377,7 +392,8 @@ def finish(m, d, t, accelerator, objective, target, tokenizer, summary: dict, ca
     output_dir = Path(t.output_dir)
     head.to(getattr(torch, t.save_dtype)).save_pretrained(output_dir)
     # measure what was stored: reload the saved weights (fp32 compute) and evaluate those
-    stored = type(head).from_pretrained(output_dir, dtype=torch.float32).attach(target).eval()
+    device = next(target.parameters()).device
+    stored = type(head).from_pretrained(output_dir, dtype=torch.float32).attach(target).to(device).eval()
     summary["held_out"] = held_out(d, stored, target, tokenizer, cache_root)
     (output_dir / "training_summary.json").write_text(json.dumps(summary, indent=2))
     card = hub.render_model_card(head.config, hub.CardFields.from_summary(summary))
@@ -399,12 +415,16 @@ def main(argv: list[str] | None = None) -> None:
     )
     set_seed(t.seed)
     target, tokenizer, recorded_name, hub_id = load_target(m.base_model)
+    target.to(accelerator.device)  # self-distillation and feature extraction run where training runs
     cache_root = Path(d.data_cache_dir) if d.data_cache_dir else _default_cache()
     with accelerator.main_process_first():
         sources = build_sources(d, target, tokenizer, cache_root)
     recipe = [row for row, _ in sources]
     dataset = training_set(m, d, target, sources, cache_root, accelerator)
     if d.prepare_data_only:
+        if d.eval_prompts and d.self_distill and accelerator.is_main_process:  # held-out answers cached too
+            self_distill(target, tokenizer, data_lib.read_prompts(d.eval_prompts, d.prompt_column),
+                         cache_root / "self_distill.jsonl", base_model_fingerprint(target), distill_settings(d))
         accelerator.print(f"data ready: {json.dumps(recipe)}")
         return
     head = build_head(m, target, recorded_name)
@@ -419,7 +439,8 @@ def main(argv: list[str] | None = None) -> None:
                    "args": {**asdict(m), **asdict(d), **asdict(t)}, "base_model_hub_id": m.base_model_hub_id or hub_id,
                    "data": recipe, "training_vocab_size": len(vocab.vocab_ids) if vocab.vocab_ids is not None else
                    target.config.vocab_size, "final_train_metrics": record.last_metrics,
-                   "train_seconds": record.train_seconds, "trainable_parameters":
+                   "train_seconds": record.train_seconds, "stopped_at_step": record.stopped_at_step,
+                   "trainable_parameters":
                    sum(p.numel() for p in head.parameters())}
         finish(m, d, t, accelerator, objective, target, tokenizer, summary, cache_root)
     accelerator.end_training()

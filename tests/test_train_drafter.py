@@ -102,3 +102,28 @@ def test_yaml_config_medusa_online_features_card(workspace, tmp_path):
         assert head.config.base_model_name_or_path == str(workspace / "base")
     finally:
         hf_kvspec.unregister()
+
+
+def test_time_cap_stops_early_then_saves_and_prepare_only_caches_held_out(workspace, tmp_path):
+    """--max_train_seconds 0 stops after one step and still saves, evaluates and records where it stopped;
+    --prepare_data_only also answers the held-out prompts, so a later run's evaluation generates nothing."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    import train_drafter
+
+    cache = tmp_path / "cache"
+    common = ["--head", "medusa", "--base_model", str(workspace / "base"), "--dataset", str(workspace / "corpus.txt"),
+              "--num_heads", "2", "--per_device_batch_size", "4", "--num_threads", "1", "--data_cache_dir",
+              str(cache), "--eval_prompts", str(workspace / "prompts.jsonl"), "--self_distill", "true",
+              "--distill_max_new_tokens", "4"]
+    train_drafter.main([*common, "--prepare_data_only", "true"])
+    cached = (cache / "self_distill.jsonl").read_text().splitlines()
+    assert len(cached) == 2  # both held-out prompts answered during preparation
+
+    train_drafter.main([*common, "--max_steps", "50", "--max_train_seconds", "0", "--save_steps", "20",
+                       "--output_dir", str(tmp_path / "out")])
+    summary = json.loads((tmp_path / "out" / "training_summary.json").read_text())
+    assert summary["stopped_at_step"] == 1 and summary["args"]["max_steps"] == 50
+    assert (tmp_path / "out" / "model.safetensors").is_file()
+    assert (tmp_path / "out" / "checkpoints" / "step-1").is_dir()  # resumable from where the cap hit
+    assert "after 1 of the 50 steps" in (tmp_path / "out" / "README.md").read_text()
+    assert (cache / "self_distill.jsonl").read_text().splitlines() == cached  # evaluation reused the cache

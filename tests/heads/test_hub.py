@@ -46,6 +46,18 @@ def test_card_carries_metadata_and_measured_numbers(base):
         assert text in card, text
 
 
+def test_card_training_paragraph_reports_a_time_capped_run(base):
+    summary = {"args": {"max_steps": 3000, "per_device_batch_size": 32, "gradient_accumulation_steps": 1,
+                        "learning_rate": 5e-4, "warmup_steps": 100, "label_source": "target",
+                        "max_train_seconds": 270.0, "mixed_precision": "bf16"},
+               "training_vocab_size": 49152, "train_seconds": 270.1, "stopped_at_step": 1405}
+    card = hub.render_model_card(EagleConfig.for_base_model(base, "bundled:tiny"), hub.CardFields.from_summary(summary))
+    assert "after 1405 of the 3000 steps" in card and "--max_train_seconds 270.0" in card and "bf16" in card
+    finished = hub.render_model_card(EagleConfig.for_base_model(base, "bundled:tiny"),
+                                     hub.CardFields.from_summary({**summary, "stopped_at_step": None}))
+    assert "3000 optimizer steps" in finished and "stopped by" not in finished
+
+
 def test_card_without_measurements_says_so(base):
     card = hub.render_model_card(EagleConfig.for_base_model(base, "bundled:tiny"))
     assert "Not measured" in card and "hf_kvspec_acceptance" not in _front_matter(card)
