@@ -199,10 +199,15 @@ def dequantize_fp8(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype)
 _FP8_TABLE = torch.arange(256, dtype=torch.uint8).view(FP8_DTYPE).float()  # byte -> its e4m3 value
 
 
-def dequantize_fp8_into(out: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """``dequantize_fp8`` written into ``out`` through a 256-entry table: on CPU, torch's fp8 -> float cast
-    is element by element (~4x slower than an int32 gather measured at 4k tokens); the values are identical."""
+def fp8_codes_into(out: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+    """The unscaled e4m3 values of ``codes`` written into ``out`` through a 256-entry table: on CPU, torch's
+    fp8 -> float cast is element by element (~4x slower than an int32 gather measured at 4k tokens); the
+    values are identical."""
     table = _FP8_TABLE.to(device=out.device, dtype=out.dtype)
     index = codes.view(torch.uint8).reshape(-1).int()
-    out.copy_(table.index_select(0, index).view(codes.shape))
-    return out.mul_(scale)
+    return out.copy_(table.index_select(0, index).view(codes.shape))
+
+
+def dequantize_fp8_into(out: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``dequantize_fp8`` written into ``out`` (table decode, then the per-head scale)."""
+    return fp8_codes_into(out, codes).mul_(scale)

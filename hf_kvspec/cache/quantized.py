@@ -1,8 +1,11 @@
 """``QuantizedKVCache``: a croppable, beam-safe KIVI / int8 / fp8 KV cache for transformers, in pure torch.
 
 Boundary: a transformers ``Cache`` whose layers keep attention-sink tokens and a residual window in full
-precision and flush older tokens into a ``QuantizedStore``; attention itself is left to the model (the layer
-returns dequantized keys/values, the reference path). No transformers private names are used.
+precision and flush older tokens into a ``QuantizedStore``. What a layer returns from ``update`` depends on the
+model's attention implementation: with ``kvspec_quant`` (``enable_quantized_attention(model)``) it returns its
+window and hands its codes to that fused attention (kwarg ``quantized_kv``, see ``quantized_attention.py``) for
+forwards of up to ``MAX_FUSED_QUERIES`` tokens; otherwise (any other attention, long prefills) it returns every
+token's keys/values, the store dequantized — the reference path, which any attention can read.
 
 One layer holds, in token order::
 
@@ -50,7 +53,9 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from hf_kvspec.cache.quantized_stores import Fp8Store, Int8Store, KiviStore, QuantizedStore
+from hf_kvspec import _compat
+from hf_kvspec.cache.quantized_attention import ATTN_NAME, MAX_FUSED_QUERIES, QuantizedKV
+from hf_kvspec.cache.quantized_stores import Fp8Store, Int8Store, KiviStore, QuantizedStore, Workspace
 from hf_kvspec.memory import check_quant_params, quantized_token_split
 
 METHODS = ("kivi", "int8", "fp8")
@@ -123,9 +128,11 @@ class QuantizedKVLayer(CacheLayerMixin):
     is_croppable = True
     is_sliding = False
 
-    def __init__(self, settings: QuantSettings):
+    def __init__(self, settings: QuantSettings, config=None, workspace: Workspace | None = None):
         super().__init__()
         self.settings = settings
+        self.config = config  # the model's (text) config: tells which attention implementation reads this layer
+        self.workspace = workspace or Workspace()
         self.store = settings.new_store()
         self.sink_keys = self.sink_values = None  # [B, H, <=n_sink, D]
 
@@ -137,15 +144,26 @@ class QuantizedKVLayer(CacheLayerMixin):
         self.store.start(key_states, value_states)
         self.is_initialized = True
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """Append key/value states [B, H, T, D]; return every cached token's keys/values [B, H, S + T, D]."""
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, kwargs: dict | None = None, **_):
+        """Append key/value states [B, H, T, D]. Return every cached token's keys/values [B, H, S + T, D], or,
+        when the fused attention reads this forward, the window [B, H, n, D] with the codes put into ``kwargs``."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        new_tokens = key_states.shape[2]
         key_states, value_states = self._fill_sinks(key_states, value_states)
         self.keys = torch.cat([self.keys, key_states], dim=2)
         self.values = torch.cat([self.values, value_states], dim=2)
         self._flush()
-        return self._assemble()  # the forward reads exactly what is stored (see "Read rule")
+        # either way the forward reads exactly what is stored (see "Read rule")
+        if self._fused_read(kwargs, new_tokens):
+            kwargs["quantized_kv"] = QuantizedKV(self.store, self.sink_keys, self.sink_values, self.workspace)
+            return self.keys, self.values
+        return self._assemble()
+
+    def _fused_read(self, kwargs: dict | None, new_tokens: int) -> bool:
+        """Whether this forward's attention is ``kvspec_quant`` and should read the codes (see module docstring)."""
+        return (kwargs is not None and self.store.length > 0 and new_tokens <= MAX_FUSED_QUERIES
+                and self.config is not None and _compat.attn_implementation(self.config) == ATTN_NAME)
 
     def _fill_sinks(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Move the first tokens into the sinks until ``sink_tokens`` are held; return the rest."""
@@ -268,7 +286,8 @@ class QuantizedKVCache(Cache):
             raise ValueError(f"QuantizedKVCache supports full-attention layers only; this model has {unsupported}. "
                              "Use DynamicCache for sliding-window or hybrid models.")
         self.config = text_config
-        layers = [QuantizedKVLayer(self.settings) for _ in range(text_config.num_hidden_layers)]
+        workspace = Workspace()  # one unpacking buffer for all layers (they attend one after another)
+        layers = [QuantizedKVLayer(self.settings, text_config, workspace) for _ in range(text_config.num_hidden_layers)]
         super().__init__(layers=layers)
 
     def nbytes(self) -> int:

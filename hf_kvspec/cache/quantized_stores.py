@@ -5,11 +5,17 @@ window; knows nothing about sinks, windows or transformers. Tokens are only ever
 quantizes new tokens and concatenates their codes; old codes are never touched), truncated (``crop``) or
 re-indexed along the batch (beam search).
 
-Shape legend: ``B`` batch, ``H`` kv heads, ``S`` stored tokens, ``D`` head dim, ``G`` group size.
+Two ways to read a store: ``dequantize_into`` (the reference: full-precision keys/values for any attention) and
+the fused pair ``key_scores`` / ``weighted_values`` used by ``quantized_attention``, which fold the scales into
+the (few) query rows and attention weights instead of applying them to the (many) stored elements.
+
+Shape legend: ``B`` batch, ``H`` kv heads, ``S`` stored tokens, ``D`` head dim, ``G`` group size,
+``M`` query rows per kv head (query heads per kv head × new tokens).
 """
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 
@@ -22,6 +28,25 @@ TensorMap = Callable[[torch.Tensor], torch.Tensor]
 
 def _cat(old: torch.Tensor | None, new: torch.Tensor, dim: int) -> torch.Tensor:
     return new if old is None else torch.cat([old, new], dim=dim)
+
+
+class Workspace:
+    """One reusable float buffer that fused reads unpack codes into, shared by every layer of a cache.
+
+    Layers run one after another and each use ends inside one attention call (scores and outputs are fresh
+    tensors), so one buffer serves them all; it is transient working memory like SDPA's, not cache storage,
+    and ``nbytes()`` does not count it. Reallocated with 25% headroom, so a growing store rarely resizes it.
+    """
+
+    def __init__(self):
+        self._buffer: torch.Tensor | None = None
+
+    def take(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        numel = math.prod(shape)
+        buffer = self._buffer
+        if buffer is None or buffer.numel() < numel or buffer.dtype != dtype or buffer.device != device:
+            self._buffer = buffer = torch.empty(numel + numel // 4, dtype=dtype, device=device)
+        return buffer[:numel].view(shape)
 
 
 class QuantizedStore(ABC):
@@ -51,6 +76,14 @@ class QuantizedStore(ABC):
         values = torch.empty(batch, heads, self.length, value_dim, dtype=dtype, device=device)
         self.dequantize_into(keys, values)
         return keys, values
+
+    @abstractmethod
+    def key_scores(self, query: torch.Tensor, workspace: Workspace) -> torch.Tensor:
+        """query [B, H, M, D] -> ``q · k`` for every stored token [B, H, M, S], from the codes (no dequantized K)."""
+
+    @abstractmethod
+    def weighted_values(self, probs: torch.Tensor, workspace: Workspace) -> torch.Tensor:
+        """Attention weights of the stored tokens [B, H, M, S] -> ``Σ_s probs_s · v_s`` [B, H, M, D], from the codes."""
 
     @abstractmethod
     def geometry(self) -> tuple[tuple[int, int, int], tuple[int, int, int], torch.device]:
@@ -115,6 +148,36 @@ class KiviStore(QuantizedStore):
         ops.dequantize_keys(self.keys, self.bits, keys_out.dtype, out=keys_out)
         ops.dequantize_values(self.values, self.bits, values_out.dtype, out=values_out)
 
+    def key_scores(self, query, workspace):
+        # For token t of group n: q·k_t = Σ_d (q_d s_{n,d}) c_{t,d} + Σ_d q_d z_{n,d}. The per-channel scale is
+        # folded into the query (M·D products per group instead of G·D) and the zero adds one offset per group.
+        q, dtype = self.keys, query.dtype
+        batch, heads, groups, _, dim = q.codes.shape
+        codes = workspace.take((batch, heads, groups, self.granularity, dim), dtype, query.device)
+        ops.unpack_codes_into(codes, q.codes, self.bits, dim=3)  # [B, H, N, G, D] raw codes 0..2^b-1
+        folded = query.unsqueeze(2) * q.scale.to(dtype)  # [B, H, N, M, D]
+        scores = torch.matmul(folded, codes.transpose(-1, -2))  # "bhnmd,bhngd->bhnmg": [B, H, N, M, G]
+        offsets = torch.matmul(query, q.zero.squeeze(3).to(dtype).transpose(-1, -2))  # "bhmd,bhnd->bhmn"
+        scores += offsets.transpose(2, 3).unsqueeze(-1)
+        return scores.permute(0, 1, 3, 2, 4).flatten(3)  # [B, H, M, N·G], token order
+
+    def weighted_values(self, probs, workspace):
+        # Σ_t p_t (c_{t,j} s_{t,g(j)} + z_{t,g(j)}) = Σ_t (p_t s_{t,g}) c_{t,j} + Σ_t p_t z_{t,g}: the per-token
+        # scale is folded into the weights (M·S·D/G products instead of S·D) and the zero into one matmul.
+        q, dtype, group = self.values, probs.dtype, self.granularity
+        batch, heads, tokens, packed = q.codes.shape
+        dim = packed * 8 // self.bits
+        codes = workspace.take((batch, heads, tokens, dim), dtype, probs.device)
+        ops.unpack_codes_into(codes, q.codes, self.bits, dim=3)  # [B, H, S, D] raw codes
+        weights = probs.unsqueeze(-1) * q.scale.to(dtype).unsqueeze(2)  # [B, H, M, S, D/G]
+        parts = [torch.matmul(weights[..., j], codes[..., j * group:(j + 1) * group])  # "bhms,bhsc->bhmc"
+                 for j in range(dim // group)]
+        out = parts[0] if len(parts) == 1 else torch.stack(parts, dim=3)  # [B, H, M, (D/G,) G]
+        offsets = torch.matmul(probs, q.zero.to(dtype))  # "bhms,bhsg->bhmg": [B, H, M, D/G]
+        if len(parts) == 1:
+            return out + offsets
+        return (out + offsets.unsqueeze(-1)).flatten(3)
+
     def geometry(self):
         kc, vc = self.keys.codes, self.values.codes  # [B, H, N, G·b/8, D], [B, H, S, D·b/8]
         return (*kc.shape[:2], kc.shape[-1]), (*vc.shape[:2], vc.shape[-1] * 8 // self.bits), kc.device
@@ -175,6 +238,17 @@ class Int8Store(_PerTokenStore):
         keys_out.copy_(s["k.codes"]).mul_(s["k.scale"])  # = ops.dequantize_int8, without a temporary
         values_out.copy_(s["v.codes"]).mul_(s["v.scale"])
 
+    def key_scores(self, query, workspace):
+        # q·k_t = s_t Σ_d q_d c_{t,d}: the per-token scale multiplies the M·S scores, not the S·D codes
+        codes, scale = self.state["k.codes"], self.state["k.scale"]  # [B, H, S, D] int8, [B, H, S, 1]
+        raw = workspace.take(codes.shape, query.dtype, query.device).copy_(codes)
+        return torch.matmul(query, raw.transpose(-1, -2)) * scale.to(query.dtype).transpose(-1, -2)
+
+    def weighted_values(self, probs, workspace):
+        codes, scale = self.state["v.codes"], self.state["v.scale"]
+        raw = workspace.take(codes.shape, probs.dtype, probs.device).copy_(codes)
+        return torch.matmul(probs * scale.to(probs.dtype).transpose(-1, -2), raw)  # scale folded into the weights
+
 
 class Fp8Store(_PerTokenStore):
     """e4m3 codes [B, H, S, D] with one fp32 scale per (sequence, head) [B, H, 1, 1] for keys and for values,
@@ -195,3 +269,14 @@ class Fp8Store(_PerTokenStore):
         s = self.state
         ops.dequantize_fp8_into(keys_out, s["k.codes"], s["k.scale_head"])
         ops.dequantize_fp8_into(values_out, s["v.codes"], s["v.scale_head"])
+
+    def key_scores(self, query, workspace):
+        # one scale per (sequence, head): applied to the M·S scores instead of the S·D decoded codes
+        codes = self.state["k.codes"]
+        raw = ops.fp8_codes_into(workspace.take(codes.shape, query.dtype, query.device), codes)
+        return torch.matmul(query, raw.transpose(-1, -2)) * self.state["k.scale_head"].to(query.dtype)
+
+    def weighted_values(self, probs, workspace):
+        codes = self.state["v.codes"]
+        raw = ops.fp8_codes_into(workspace.take(codes.shape, probs.dtype, probs.device), codes)
+        return torch.matmul(probs, raw) * self.state["v.scale_head"].to(probs.dtype)

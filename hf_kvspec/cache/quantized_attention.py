@@ -1,0 +1,188 @@
+"""Fused attention over a ``QuantizedKVCache``: scores and outputs straight from the stored codes, registered
+with transformers as ``attn_implementation="kvspec_quant"`` (``AttentionInterface`` *and* ``AttentionMaskInterface``).
+
+Boundary: this module owns the attention math over a quantized layer and its registration; the layer
+(``quantized.py``) decides per forward whether to hand over its codes (kwarg ``quantized_kv``, through the
+kwargs dict that transformers passes from ``cache.update`` on to the attention function) or dense keys/values.
+Without ``quantized_kv`` (any other cache, a prefill, an empty store) the function is transformers' SDPA.
+
+Two paths, compared in ``tests/cache/test_quantized_attention.py``:
+    fused      ``fused_quantized_attention``: the store's ``key_scores`` / ``weighted_values`` unpack the raw
+               codes once into a workspace shared by all layers and fold every scale and zero into the query
+               rows or the attention weights (KIVI keys: ``q·k = Σ_d (q_d s_d) c_d + Σ_d q_d z_d``; values:
+               ``Σ_t (p_t s_t) c_t + Σ_t p_t z_t``). The dequantized history is never materialised: per step it
+               saves the two affine passes over ``S·D`` elements for K and for V, and, more on CPU, the two fresh
+               ``S·D`` allocations per layer of the reference path (measured in ``docs/quantized.md``).
+    reference  ``reference_quantized_attention``: the layer's dequantized keys/values (``dequantize_into``),
+               ``repeat_kv``, eager softmax — dequantize-then-attend, the oracle.
+
+The fused path runs for forwards of at most ``MAX_FUSED_QUERIES`` new tokens (decode, speculative verification,
+chunked scoring): its scores ``[B, Hq, T, S]`` are materialised, which a long prefill should not do, so a longer
+forward gets dense keys/values and SDPA's tiled kernels. Compute is fp32 whatever the model dtype (on CPU
+fp16/bf16 matmuls are slower, and scores need the range); the output is cast back to the query dtype.
+
+Shape legend: ``B`` batch · ``Hq`` query heads · ``Hkv`` kv heads · ``G = Hq / Hkv`` · ``T`` new tokens ·
+``M = G·T`` query rows per kv head · ``S`` cached + new tokens · ``D`` head dim.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from hf_kvspec.cache.quantized_stores import QuantizedStore, Workspace
+
+ATTN_NAME = "kvspec_quant"
+MAX_FUSED_QUERIES = 64  # scores of 64 queries over 4k tokens x 9 heads: 9 MB; a long prefill goes to SDPA
+
+
+@dataclass(frozen=True)
+class QuantizedKV:
+    """What a quantized layer hands to the attention function (kwarg ``quantized_kv``); the window's keys and
+    values are the function's ``key`` / ``value`` arguments. Token order: ``[sinks | store | window]``."""
+
+    store: QuantizedStore
+    sink_keys: torch.Tensor  # [B, Hkv, n_sink, D]
+    sink_values: torch.Tensor  # [B, Hkv, n_sink, D]
+    workspace: Workspace
+
+
+# ---- the two paths ---------------------------------------------------------------------------------
+def fused_quantized_attention(
+    query: torch.Tensor,  # [B, Hq, T, D]
+    quantized_kv: QuantizedKV,
+    window_keys: torch.Tensor,  # [B, Hkv, n_window, D]
+    window_values: torch.Tensor,  # [B, Hkv, n_window, D]
+    attention_mask: torch.Tensor | None,  # [B, 1, T, S] bool (True = attend) or additive float; None = causal
+    scaling: float,
+) -> torch.Tensor:  # [B, T, Hq, D]
+    """Attention over ``[sinks | store | window]`` that reads the store through its codes."""
+    batch, q_heads, q_len, dim = query.shape
+    kv_heads = window_keys.shape[1]
+    groups = q_heads // kv_heads
+    kv, dtype = quantized_kv, torch.float32
+    sinks, stored = kv.sink_keys.shape[2], kv.store.length
+    # query head h = kv_head·G + g, so [B, Hq, T, D] -> [B, Hkv, M, D] is a plain reshape (row g·T + t)
+    rows = query.reshape(batch, kv_heads, groups * q_len, dim).to(dtype) * scaling
+    parts = [kv.store.key_scores(rows, kv.workspace),
+             torch.matmul(rows, window_keys.to(dtype).transpose(-1, -2))]  # "bhmd,bhsd->bhms"
+    if sinks:
+        parts.insert(0, torch.matmul(rows, kv.sink_keys.to(dtype).transpose(-1, -2)))
+    scores = torch.cat(parts, dim=-1)  # [B, Hkv, M, S] in token order
+    probs = _masked_softmax(scores, _fold_mask(attention_mask, batch, groups, q_len, scores.shape[-1]))
+    out = kv.store.weighted_values(probs[..., sinks:sinks + stored], kv.workspace)  # [B, Hkv, M, D]
+    out += torch.matmul(probs[..., sinks + stored:], window_values.to(dtype))  # "bhms,bhsd->bhmd"
+    if sinks:
+        out += torch.matmul(probs[..., :sinks], kv.sink_values.to(dtype))
+    return out.reshape(batch, q_heads, q_len, -1).transpose(1, 2).to(query.dtype)
+
+
+def reference_quantized_attention(
+    query: torch.Tensor,  # [B, Hq, T, D]
+    keys: torch.Tensor,  # [B, Hkv, S, D] dequantized (the layer's reference read)
+    values: torch.Tensor,  # [B, Hkv, S, D]
+    attention_mask: torch.Tensor | None,
+    scaling: float,
+) -> torch.Tensor:  # [B, T, Hq, D]
+    """Dequantize-then-attend: ``repeat_kv`` and an eager fp32 softmax. Obviously correct; the oracle."""
+    groups = query.shape[1] // keys.shape[1]
+    keys = keys.float().repeat_interleave(groups, dim=1)
+    values = values.float().repeat_interleave(groups, dim=1)
+    scores = torch.einsum("bhtd,bhsd->bhts", query.float(), keys) * scaling
+    mask = _fold_mask(attention_mask, query.shape[0], 1, query.shape[2], keys.shape[2])
+    probs = _masked_softmax(scores, mask)
+    return torch.einsum("bhts,bhsd->bhtd", probs, values).transpose(1, 2).to(query.dtype)
+
+
+def _fold_mask(mask, batch: int, groups: int, q_len: int, kv_len: int) -> torch.Tensor | None:
+    """``[B, 1, T, S]`` -> ``[B, 1, G·T, S]`` (row g·T + t is query t); None -> bottom-right causal (or none)."""
+    if mask is None:
+        if q_len == 1:
+            return None  # a single query sees every cached token
+        mask = torch.ones(q_len, kv_len, dtype=torch.bool).tril(kv_len - q_len).expand(batch, 1, q_len, kv_len)
+    if mask.shape[1] != 1:
+        raise ValueError(f"{ATTN_NAME} expects a mask shared by all heads, got shape {tuple(mask.shape)}.")
+    if groups == 1:
+        return mask
+    return mask[:, :, None].expand(batch, 1, groups, q_len, kv_len).reshape(batch, 1, groups * q_len, kv_len)
+
+
+def _masked_softmax(scores: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    if mask is None:
+        return torch.softmax(scores, dim=-1, dtype=torch.float32)
+    if mask.dtype != torch.bool:
+        return torch.softmax(scores + mask.to(scores.device, scores.dtype), dim=-1, dtype=torch.float32)
+    mask = mask.to(scores.device)
+    probs = torch.softmax(scores.masked_fill(~mask, torch.finfo(scores.dtype).min), dim=-1, dtype=torch.float32)
+    # a fully masked row (a left-padding query) attends to nothing: zero output, as torch's SDPA gives. It
+    # matters beyond that row: the padding token's next-layer key joins a KIVI group with real tokens.
+    return probs * mask.any(dim=-1, keepdim=True)
+
+
+# ---- the transformers-facing function and its registration -----------------------------------------
+def quantized_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,  # [B, Hq, T, D]
+    key: torch.Tensor,  # the window [B, Hkv, n, D] when quantized_kv is given, else all keys [B, Hkv, S, D]
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    quantized_kv: QuantizedKV | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """``AttentionInterface`` entry: ``(out [B, T, Hq, D], None)``."""
+    if quantized_kv is None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    if dropout and module.training:
+        raise ValueError(f"{ATTN_NAME} attention is inference-only; use attn_implementation='sdpa' to train.")
+    for unsupported in ("softcap", "s_aux"):
+        if kwargs.get(unsupported) is not None:
+            raise NotImplementedError(f"{ATTN_NAME} attention does not support {unsupported}; use "
+                                      "attn_implementation='sdpa' (QuantizedKVCache then attends its dequantized copy).")
+    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+    return fused_quantized_attention(query, quantized_kv, key, value, attention_mask, scaling), None
+
+
+_previous: dict[str, tuple[object | None, object | None]] = {}  # entries under our name before register()
+
+
+def register_quantized_attention() -> None:
+    """Register ``kvspec_quant`` with ``AttentionInterface`` and SDPA's mask with ``AttentionMaskInterface``
+    (without a mask entry transformers would hand the function ``attention_mask=None``). Idempotent."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    from hf_kvspec import _compat
+
+    if ATTN_NAME not in _previous:
+        _previous[ATTN_NAME] = _compat.attention_entries(ATTN_NAME)
+    AttentionInterface.register(ATTN_NAME, quantized_attention_forward)
+    AttentionMaskInterface.register(ATTN_NAME, sdpa_mask)
+
+
+def unregister_quantized_attention() -> None:
+    """Undo ``register_quantized_attention``, restoring whatever held the name before. Safe to repeat."""
+    from hf_kvspec import _compat
+
+    if ATTN_NAME in _previous:
+        _compat.restore_attention_entries(ATTN_NAME, *_previous.pop(ATTN_NAME))
+
+
+def enable_quantized_attention(model):
+    """Switch a loaded model to ``kvspec_quant`` attention; returns an ``AttentionPatch`` (``.remove()`` or
+    ``with``) that switches back. With any cache other than ``QuantizedKVCache`` it behaves as SDPA."""
+    from hf_kvspec import _compat
+    from hf_kvspec.attention.patch import AttentionPatch
+
+    register_quantized_attention()
+    previous = _compat.attn_implementation(model.config)
+    model.set_attn_implementation(ATTN_NAME)
+    if _compat.attn_implementation(model.config) != ATTN_NAME:
+        raise ValueError(f"{type(model).__name__} cannot switch attention implementation after loading; load it "
+                         f"with attn_implementation={ATTN_NAME!r} after hf_kvspec.register().")
+    return AttentionPatch(ATTN_NAME, lambda: model.set_attn_implementation(previous), f"previous={previous!r}")
