@@ -13,7 +13,7 @@ from pathlib import Path
 
 import yaml
 
-TEMPLATE_DIR = Path(__file__).resolve().parent.parent / "model_cards"
+TEMPLATE_DIR = Path(__file__).parent / "model_cards"  # links to the top-level model_cards/; copied into wheels
 DEFAULT_TEMPLATE = "draft_head.md"
 _KIND = {"hf_kvspec_medusa": ("Medusa heads", "medusa", "arxiv:2401.10774"),
          "hf_kvspec_eagle": ("EAGLE drafter", "eagle", "arxiv:2401.15077")}

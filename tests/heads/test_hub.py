@@ -88,3 +88,13 @@ def test_push_uploads_exactly_weights_config_and_card(base, monkeypatch):
     assert _front_matter(calls["files"]["README.md"].decode())["base_model"] == "bundled:tiny"
     weights = load(calls["files"]["model.safetensors"])
     assert sorted(weights) == sorted(heads.state_dict())  # the head only: no embedding, no LM head
+
+
+def test_card_template_ships_inside_the_package():
+    """``hf_kvspec/model_cards`` links to the top-level templates and is package data, so wheels render cards too."""
+    import tomllib
+
+    root = Path(__file__).resolve().parents[2]
+    assert (hub.TEMPLATE_DIR / hub.DEFAULT_TEMPLATE).resolve() == (root / "model_cards" / hub.DEFAULT_TEMPLATE)
+    package_data = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    assert "model_cards/*.md" in package_data["hf_kvspec"]
