@@ -113,7 +113,7 @@ def _speculative_kwargs(args, model) -> dict:
 
 
 def _print_stats(new_tokens: int, elapsed: float, kv_bytes: int, cache_name: str, acceptance=None) -> None:
-    # plain decoding: one target forward per token; speculative: measured by the loop (prefill not counted)
+    # plain decoding: one target forward per token; speculative: measured by the loop
     tau = acceptance.tokens_per_target_forward if acceptance is not None else 1.0
     rows = [
         ("new tokens", f"{new_tokens}"),
@@ -124,7 +124,7 @@ def _print_stats(new_tokens: int, elapsed: float, kv_bytes: int, cache_name: str
     if acceptance is not None:
         rates = " ".join(f"{rate:.2f}" for rate in acceptance.acceptance_rate)
         rows += [
-            ("target forwards (rounds)", f"{acceptance.target_forwards} (+1 prefill)"),
+            ("target forwards", f"{acceptance.target_forwards} ({acceptance.rounds} rounds)"),
             ("draft forwards", f"{acceptance.draft_forwards}"),
             ("acceptance per position", rates or "-"),
             ("draft / verify time", f"{acceptance.draft_time_s:.2f} s / {acceptance.verify_time_s:.2f} s"),

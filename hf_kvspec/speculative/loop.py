@@ -6,7 +6,8 @@ decisions, the stopper where rows end. Knows nothing about how drafts are made.
     model.generate(ids, custom_generate=hf_kvspec.speculative_generate, assistant=DraftModelAssistant(draft))
 
 Each round reads as named phases: draft -> verify (one target forward over the last token + N drafts, with
-``logits_to_keep``) -> accept (verifier on processed scores) -> stop (EOS, stop strings, max length, per row) ->
+``logits_to_keep``; the first round also feeds the prompt, so there is no separate prefill forward, as in
+transformers' assisted decoding) -> accept (verifier on processed scores) -> stop (EOS, stop strings, max length, per row) ->
 roll back (crop the target cache to the longest kept path; see ``buffer.py`` for the holes of shorter rows) ->
 emit (history, streamer, scores, telemetry). Greedy output is token-identical to ``generate(do_sample=False)``;
 sampled output has exactly the distribution of ``generate(do_sample=True)`` (Leviathan et al. 2211.17192).
@@ -98,7 +99,10 @@ class SpeculativeDecoder:
         self.score_rows = [[] for _ in range(batch)] if self.record_scores else None
         self.logit_rows = [[] for _ in range(batch)] if self.record_logits else None
         self.streamed = input_ids.shape[1]
-        hidden = self._prefill(input_ids)
+        self.fed = self.cache.get_seq_length() if self.cache is not None else 0  # buffer columns in the cache
+        # feature-level drafters need the prompt's hidden states before their first draft: separate prefill;
+        # otherwise the prompt is verified together with the first round's drafts (one target forward saved)
+        hidden = self._prefill(input_ids) if self.assistant.wants_hidden_states else None
         self.assistant.begin(self.model, self.buffer, target_hidden=hidden)
         try:
             while bool(self.alive.any()):
@@ -109,12 +113,12 @@ class SpeculativeDecoder:
         self.assistant.stats = self.stats
         return self._output()
 
-    def _prefill(self, input_ids: torch.Tensor) -> torch.Tensor | None:
-        """Prompt forward (as generate's) and the first token; returns the prompt's hidden states if asked."""
-        past = self.cache.get_seq_length() if self.cache is not None else 0
+    def _prefill(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Prompt forward (as generate's) and the first token; returns the prompt's hidden states [B, P, H]."""
+        past = self.fed
         out = self.model(input_ids=input_ids[:, past:], attention_mask=self.buffer.attention_mask(1),
                          position_ids=self.buffer.positions[:, past:], cache=self.cache, use_cache=True,
-                         logits_to_keep=1, output_hidden_states=self.assistant.wants_hidden_states)
+                         logits_to_keep=1, output_hidden_states=True)
         self.cache = out.cache if self.cache is None else self.cache
         none = input_ids.new_zeros(input_ids.shape[0], 0)
         scores = self.processor(self.history, none, out.logits[:, -1:])  # [B, 1, V]
@@ -125,8 +129,10 @@ class SpeculativeDecoder:
         self.history.append(token[:, None], keep)
         self.buffer.append_round(none, torch.zeros_like(counts), token, self.alive)
         self.alive = self.alive & ~stopped
+        self.fed = self.buffer.width - 1
+        self.stats.prefill_forwards += 1
         self._stream()
-        return out.hidden_states[-1] if self.assistant.wants_hidden_states else None
+        return out.hidden_states[-1]
 
     def _pick(self, scores: torch.Tensor) -> torch.Tensor:
         # scores [B, V] -> [B], exactly as generate's _sample picks a token
@@ -137,6 +143,7 @@ class SpeculativeDecoder:
     # ------------------------------------------------------------------------------------------ one round
     def _round(self) -> None:
         alive = self.alive
+        prompt_tokens = self.buffer.width - 1 - self.fed  # > 0 only in a first round that also prefills
         start = time.perf_counter()
         proposal = self._draft()
         _sync(proposal.tokens)
@@ -158,8 +165,9 @@ class SpeculativeDecoder:
         self._roll_back(num_draft - longest)
         self.buffer.append_round(result.accepted_tokens(proposal.tokens)[:, :longest], result.num_accepted,
                                  result.next_tokens, alive)
+        self.fed = self.buffer.width - 1
         self.alive = alive & ~stopped
-        self._telemetry(proposal, result, keep, alive, hidden, drafted - start, verified - drafted)
+        self._telemetry(proposal, result, keep, alive, hidden, drafted - start, verified - drafted, prompt_tokens)
         self._stream()
 
     def _draft(self) -> DraftProposal:
@@ -186,13 +194,18 @@ class SpeculativeDecoder:
         return int((self.stopper.max_length - self.history.lengths[self.alive]).max())
 
     def _target_forward(self, drafts: torch.Tensor):
-        """One forward over the last column + N drafts; returns logits [B, N + 1, V] and hidden [B, N + 1, H]."""
+        """One forward over the columns the cache lacks (the last one, or the whole prompt in a first round)
+        + N drafts; returns logits [B, N + 1, V] and hidden [B, N + 1, H] of the last column and the drafts."""
         count = drafts.shape[1] + 1
-        out = self.model(input_ids=torch.cat([self.buffer.tokens[:, -1:], drafts], dim=1),
-                         attention_mask=self.buffer.attention_mask(count), position_ids=self.buffer.next_positions(count),
+        positions = self.buffer.next_positions(count)  # [B, N + 1]
+        if self.fed < self.buffer.width - 1:  # prompt columns not in the cache yet
+            positions = torch.cat([self.buffer.positions[:, self.fed:-1], positions], dim=1)
+        out = self.model(input_ids=torch.cat([self.buffer.tokens[:, self.fed:], drafts], dim=1),
+                         attention_mask=self.buffer.attention_mask(count), position_ids=positions,
                          cache=self.cache, use_cache=True, logits_to_keep=count,
                          output_hidden_states=self.assistant.wants_hidden_states)
-        hidden = out.hidden_states[-1] if self.assistant.wants_hidden_states else None
+        self.cache = out.cache if self.cache is None else self.cache
+        hidden = out.hidden_states[-1][:, -count:] if self.assistant.wants_hidden_states else None
         return out.logits, hidden
 
     def _verify(self, proposal: DraftProposal, scores: torch.Tensor):
@@ -215,14 +228,14 @@ class SpeculativeDecoder:
             for row, count in enumerate(keep.tolist()):
                 store[row].append(picked[row, :count].float())
 
-    def _telemetry(self, proposal, result, keep, alive, hidden, draft_s, verify_s) -> None:
+    def _telemetry(self, proposal, result, keep, alive, hidden, draft_s, verify_s, prompt_tokens) -> None:
         num_draft = proposal.tokens.shape[1]
         accepted = result.num_accepted[alive]
         per_position = [int((accepted > j).sum()) for j in range(num_draft)]
         self.stats.record_round(num_draft, int(alive.sum()), int(keep.sum()), per_position, draft_s, verify_s,
                                 proposal.draft_forwards)
         self.assistant.observe(RoundOutcome(self.buffer.width - 1, result.num_accepted, alive, num_draft,
-                                            draft_s, verify_s, hidden))
+                                            draft_s, verify_s, hidden, prompt_tokens))
 
     def _stream(self, final: bool = False) -> None:
         """Hand the streamer every column that all live rows have completed (only final tokens)."""

@@ -3,7 +3,9 @@
 Boundary: the decode loop records what each round drafted, accepted and cost; this module only adds up and
 summarises. The same object is returned as ``output.acceptance`` and kept as ``assistant.stats``.
 
-Definitions (per row, summed over rows; the prefill forward that produces the first token is not a round):
+Definitions (per row, summed over rows). The first round feeds the prompt together with its drafts, so its
+tokens count; only a drafter that needs the prompt's hidden states first gets a separate prefill forward, whose
+one token is not counted (``prefill_forwards``):
     tokens_per_target_forward (tau)  tokens emitted by rounds / (rounds x rows alive in that round).
                                     Plain decoding has tau = 1; Leviathan et al. 2211.17192 call it the
                                     expected number of tokens per iteration, (1 - a^(K+1)) / (1 - a).
@@ -21,6 +23,7 @@ class AcceptanceStats:
     """Counters of one (or several merged) speculative ``generate`` calls."""
 
     rounds: int = 0  # verify forwards of the target (one per round, any batch size)
+    prefill_forwards: int = 0  # separate prompt forwards (only for drafters that read the target's hidden states)
     row_rounds: int = 0  # sum over rounds of the rows still generating
     fallback_rounds: int = 0  # rounds that drafted nothing (plain decoding step)
     emitted_tokens: int = 0  # tokens emitted by rounds, all rows
@@ -34,8 +37,8 @@ class AcceptanceStats:
 
     @property
     def target_forwards(self) -> int:
-        """Verify forwards of the target model (the prefill is not counted)."""
-        return self.rounds
+        """Forwards of the target model: one per round, plus a separate prefill if there was one."""
+        return self.rounds + self.prefill_forwards
 
     @property
     def tokens_per_target_forward(self) -> float:
@@ -80,7 +83,7 @@ class AcceptanceStats:
 
     def merge(self, other: AcceptanceStats) -> AcceptanceStats:
         """Add ``other``'s counters into this object (returns self)."""
-        for name in ("rounds", "row_rounds", "fallback_rounds", "emitted_tokens", "draft_forwards",
+        for name in ("rounds", "prefill_forwards", "row_rounds", "fallback_rounds", "emitted_tokens", "draft_forwards",
                      "draft_time_s", "verify_time_s"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self._extend(len(other.drafted))

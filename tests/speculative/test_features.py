@@ -32,8 +32,8 @@ def test_eos_inside_an_accepted_draft_stops_the_row(models, eos_as_list):
     ids, mask = batch(4)
     free = _plain(target, ids, mask, do_sample=False, max_new_tokens=12, eos_token_id=None)
     new = free[0, ids.shape[1]:].tolist()
-    # index 0 comes from the prefill, then rounds of 4 drafts + 1 bonus: pick a fresh token that is a draft
-    at = next(i for i in range(5, len(new)) if new[i] not in new[:i] and (i - 1) % 5 != 4)
+    # rounds of 4 drafts + 1 bonus (the first round verifies the prompt too): pick a fresh token that is a draft
+    at = next(i for i in range(5, len(new)) if new[i] not in new[:i] and i % 5 != 4)
     eos = new[at]
     eos_arg = [eos, 95] if eos_as_list else eos
     expected = _plain(target, ids, mask, do_sample=False, max_new_tokens=12, eos_token_id=eos_arg)
@@ -115,13 +115,14 @@ def test_canary_enable_path_really_speculates(models):
     assistant = hf_kvspec.DraftModelAssistant(drafts["right"], num_draft_tokens=4)
     hf_kvspec.enable(target)
     try:
-        out = target.generate(ids, do_sample=False, max_new_tokens=17, eos_token_id=None, pad_token_id=0,
+        out = target.generate(ids, do_sample=False, max_new_tokens=20, eos_token_id=None, pad_token_id=0,
                               assistant=assistant, return_dict_in_generate=True)
     finally:
         hf_kvspec.disable(target)
     stats = out.acceptance
-    assert not stats.empty and stats.rounds == 4  # 1 prefill token + 4 rounds x (4 accepted + 1 bonus)
-    assert stats.tokens_per_target_forward == pytest.approx(4.0)
+    assert not stats.empty and stats.rounds == 4  # 4 rounds x (4 accepted + 1 bonus), the first one with the prompt
+    assert stats.target_forwards == 4 and stats.prefill_forwards == 0  # no separate prefill forward
+    assert stats.tokens_per_target_forward == pytest.approx(5.0)
     assert stats.draft_forwards > 0 and stats.draft_time_s > 0 and stats.verify_time_s > 0
     assert stats.acceptance_rate == [1.0] * 4 and not stats.lossy
 

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 
 import hf_kvspec
 from hf_kvspec.speculative.autok import AutoDraftLength
+from hf_kvspec.speculative.drafters.base import RoundOutcome
 from hf_kvspec.speculative.drafters.ngram import lookup_continuation
 from tests.tiny_models import left_padded_batch, tiny_model
 
@@ -37,10 +36,10 @@ def test_ngram_greedy_is_exact_in_a_batch(k):
     assert assistant.stats.draft_forwards == 0 and sum(assistant.stats.accepted) > 0
 
 
-def _outcome(k, accepted, draft_s, verify_s):
+def _outcome(k, accepted, draft_s, verify_s, prompt_tokens=0):
     num = torch.tensor(accepted)
-    return SimpleNamespace(num_draft_tokens=k, num_accepted=num, alive=torch.ones_like(num, dtype=torch.bool),
-                           draft_time_s=draft_s, verify_time_s=verify_s)
+    return RoundOutcome(kept_width=0, num_accepted=num, alive=torch.ones_like(num, dtype=torch.bool),
+                        num_draft_tokens=k, draft_time_s=draft_s, verify_time_s=verify_s, prompt_tokens=prompt_tokens)
 
 
 def _feed(auto, k, accepted, draft_per_token, verify_base, slope=0.15):
@@ -60,6 +59,15 @@ def test_auto_k_falls_back_to_plain_decoding_and_probes():
         _feed(auto, [2, 4][step % 2], [0], draft_per_token=0.01, verify_base=0.1)  # never accepted
     choices = [auto.choose() for _ in range(10)]
     assert choices.count(0) >= 8 and max(choices) >= 1  # mostly plain decoding, with periodic probes
+
+
+def test_auto_k_ignores_the_cost_of_the_round_that_prefills_the_prompt():
+    auto = AutoDraftLength(max_draft_tokens=8)
+    auto.update(_outcome(4, [4], draft_s=30.0, verify_s=50.0, prompt_tokens=200))  # prompt forward: no cost sample
+    assert auto.verify_time.n == 0 and auto.draft_time.n == 0 and auto.alpha > 0.5  # acceptance still counts
+    for step in range(10):
+        _feed(auto, [2, 4][step % 2], [[2], [4]][step % 2], draft_per_token=0.001, verify_base=0.1)
+    assert auto.choose() >= 4  # the slow prompt round did not make drafting look expensive
 
 
 def test_auto_k_refuses_a_draft_as_costly_as_the_target():

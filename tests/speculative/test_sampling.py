@@ -2,8 +2,8 @@
 
 The target is a bigram ``MarkovLM`` (tests/speculative/markov.py), so 100k rows run in about a second. The
 reference is exact, not sampled: plain ``generate``'s own processed scores (``output_scores``) for every prefix,
-chained into the joint distribution of the first two *speculative* tokens (t2, t3; t1 comes from the prefill)
-and summed over t1. Tolerance: TV < 0.01 at N = 100k samples; the expected TV of an exact sampler over these
+chained into the joint distribution of the second and third tokens (t2, t3) and summed over t1 (all three
+come from speculative rounds; the first round verifies the prompt with its drafts). Tolerance: TV < 0.01 at N = 100k samples; the expected TV of an exact sampler over these
 <= 64 outcomes is sum_i sqrt(p_i (1 - p_i) / (2 pi N)) (asserted < 0.008; over 64 cells the TV of an exact
 sampler spreads ~10% around that mean, so 0.01 is > 3 sigma away), while the negative control (processors
 applied without each position's own prefix) lands above 0.02.

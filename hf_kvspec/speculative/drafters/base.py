@@ -72,6 +72,7 @@ class RoundOutcome:
     # [B, N + 1, H] target's last-layer hidden states over the round (when ``wants_hidden_states``); row i's
     # newest feature, the one that produced its next token, is ``target_hidden[i, num_accepted[i]]``
     target_hidden: torch.Tensor | None = None
+    prompt_tokens: int = 0  # prompt columns this round's verify forward also fed (first round): times are not costs
 
 
 class Drafter(abc.ABC):
@@ -92,8 +93,10 @@ class Drafter(abc.ABC):
         self.stats = AcceptanceStats()
 
     def begin(self, target, buffer: TokenBuffer, target_hidden: torch.Tensor | None = None) -> None:
-        """Called once per ``generate`` call, after the target's prefill (``target_hidden`` [B, P, H] when
-        ``wants_hidden_states``). Resets per-call state."""
+        """Called once per ``generate`` call, before the first round; resets per-call state. The buffer holds the
+        prompt; when ``wants_hidden_states`` the target has already run a prefill forward (``target_hidden``
+        [B, P, H]) and the buffer also holds its first token, otherwise the first round's verify forward feeds
+        the prompt too (no separate prefill)."""
         self.stats = AcceptanceStats()
         if self.auto is not None:
             self.auto.reset()

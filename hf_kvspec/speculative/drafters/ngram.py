@@ -50,8 +50,7 @@ class NgramAssistant(Drafter):
     def begin(self, target, buffer, target_hidden=None) -> None:
         super().begin(target, buffer, target_hidden)
         # left padding of each row (history starts with the padded prompt); pads must not match n-grams
-        prompt = buffer.mask[:, : buffer.width - 1]
-        self.first_real = (prompt.shape[1] - prompt.sum(dim=1)).tolist()
+        self.first_real = (buffer.mask.cumsum(dim=1) == 0).sum(dim=1).tolist()
 
     def propose(self, ctx: DraftContext) -> DraftProposal:
         ids, lengths = ctx.history.ids, ctx.history.lengths.tolist()
