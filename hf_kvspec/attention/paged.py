@@ -42,11 +42,18 @@ class PagedKV:
 
 # ---- the two paths ---------------------------------------------------------------------------------
 def gather_blocks(pages: torch.Tensor, block_tables: torch.Tensor, kv_length: int) -> torch.Tensor:
-    """Contiguous-per-row K (or V) view ``[B, Hkv, S, D]`` from pages ``[N, P, Hkv, D]``, whole blocks at a time."""
+    """K (or V) ``[B, Hkv, S, D]`` from pages ``[N, P, Hkv, D]``, one whole-block ``index_select``.
+
+    The gather runs over the head-major view ``[Hkv, N, P, D]``: with ``PagedCache``'s storage (head-major
+    in memory) that view is contiguous, and the result's token axis is contiguous per head — SDPA reads it
+    as fast as ``DynamicCache``'s contiguous K/V, whereas a token-major gather leaves rows ``Hkv·D`` apart
+    (about 1.2x slower SDPA at bs 4, S 2048). Any page layout gives the same values.
+    """
     batch, num_row_blocks = block_tables.shape
     _, block_size, heads, dim = pages.shape
-    rows = pages.index_select(0, block_tables.reshape(-1)).view(batch, num_row_blocks * block_size, heads, dim)
-    return rows[:, :kv_length].transpose(1, 2)  # the slice never reads an unwritten slot
+    rows = pages.permute(2, 0, 1, 3).index_select(1, block_tables.reshape(-1))  # [Hkv, B·M, P, D]
+    rows = rows.view(heads, batch, num_row_blocks * block_size, dim)
+    return rows[:, :, :kv_length].transpose(0, 1)  # the slice never reads an unwritten slot
 
 
 def grouped_attention(

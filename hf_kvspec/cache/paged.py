@@ -64,10 +64,8 @@ class PagedLayer(CacheLayerMixin):
         self.cumulative_length = 0
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        _, heads, _, dim = key_states.shape
-        shape = (self.num_blocks, self.block_size, heads)
-        self.keys = torch.empty(*shape, dim, dtype=key_states.dtype, device=key_states.device)
-        self.values = torch.empty(*shape, value_states.shape[-1], dtype=value_states.dtype, device=value_states.device)
+        self.keys = _pages(key_states, self.num_blocks, self.block_size)
+        self.values = _pages(value_states, self.num_blocks, self.block_size)
         self.device, self.is_initialized = key_states.device, True
 
     def update(self, key_states, value_states, *args, **kwargs):
@@ -77,8 +75,8 @@ class PagedLayer(CacheLayerMixin):
         """Scatter new K/V ``[B, Hkv, T, D]`` into flat slots ``[B·T]`` (slot = block · P + offset)."""
         for pages, states in ((self.keys, key_states), (self.values, value_states)):
             batch, heads, tokens, dim = states.shape
-            flat = states.transpose(1, 2).reshape(batch * tokens, heads, dim)  # [B·T, Hkv, D], slot order
-            pages.view(-1, heads, dim).index_copy_(0, slots, flat)
+            flat = states.transpose(0, 1).reshape(heads, batch * tokens, dim)  # [Hkv, B·T, D], slot order
+            pages.permute(2, 0, 1, 3).view(heads, -1, dim).index_copy_(1, slots, flat)
         self.cumulative_length += key_states.shape[-2]
 
     def gather(self, view: PagedKV) -> tuple[torch.Tensor, torch.Tensor]:
@@ -304,6 +302,17 @@ class PagedCache(Cache):
     def nbytes(self) -> int:
         """Bytes of the allocated pages (all blocks, used or not)."""
         return sum(layer.keys.nbytes + layer.values.nbytes for layer in self.layers if layer.is_initialized)
+
+
+def _pages(states: torch.Tensor, num_blocks: int, block_size: int) -> torch.Tensor:
+    """Empty pages ``[N, P, Hkv, D]`` for K/V like ``states`` ``[B, Hkv, T, D]``, head-major in memory.
+
+    The storage is ``[Hkv, N, P, D]`` so that a gathered row is contiguous along tokens per head, the
+    layout SDPA reads fastest (see ``gather_blocks``); the tensor keeps the ``[N, P, Hkv, D]`` shape.
+    """
+    _, heads, _, dim = states.shape
+    storage = torch.empty(heads, num_blocks, block_size, dim, dtype=states.dtype, device=states.device)
+    return storage.permute(1, 2, 0, 3)
 
 
 class _Step:
