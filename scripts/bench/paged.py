@@ -38,7 +38,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--batch-sizes", default="1,4,8")
     parser.add_argument("--prompt-lens", default="512,2048", help="cached tokens S before decoding")
     parser.add_argument("--decode-steps", type=int, default=8, help="decode steps per timed repeat")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=7, help="timed decode rounds per setting")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--num-seqs", type=int, default=512, help="sequences in the log-normal mix")
     parser.add_argument("--kv-budget", default="1GiB", help="KV budget for the concurrency part")
@@ -58,13 +58,17 @@ def _filled_cache(model, cache, batch: int, length: int):
     return cache
 
 
-def _decode_rates(model, caches: dict, batch: int, steps: int, repeats: int) -> dict[str, float]:
-    """tokens/s per ``{name: (attn_implementation, cache)}``, measured interleaved (one repeat of each in
-    turn) so that load from other jobs on the shared machine hits every variant alike."""
+def _decode_times(model, caches: dict, batch: int, steps: int, repeats: int) -> dict[str, list[float]]:
+    """CPU seconds of ``steps`` decode steps per ``{name: (attn_implementation, cache)}``, one list per name.
+
+    Interleaved (one repeat of each variant in turn, the order reversed every other round) so that load from
+    other jobs on the shared machine and any drift within a round hit every variant alike."""
     tokens = torch.randint(100, model.config.vocab_size, (batch, 1))
     samples = {name: [] for name in caches}
     for repeat in range(repeats + 1):  # the first round is warm-up
-        for name, (attn, cache) in caches.items():
+        order = list(caches) if repeat % 2 else list(reversed(caches))
+        for name in order:
+            attn, cache = caches[name]
             model.set_attn_implementation(attn)
             start = time.process_time()
             with torch.inference_mode():
@@ -74,7 +78,7 @@ def _decode_rates(model, caches: dict, batch: int, steps: int, repeats: int) -> 
                 samples[name].append(time.process_time() - start)
             cache.crop(-steps)  # roll back so every repeat decodes at the same S
     model.set_attn_implementation("sdpa")
-    return {name: batch * steps / statistics.median(times) for name, times in samples.items()}
+    return samples
 
 
 def decode_part(model, args, report: Report) -> None:
@@ -90,12 +94,17 @@ def decode_part(model, args, report: Report) -> None:
             for attn in ("sdpa", ATTN_NAME):
                 pages = PagedCache(model.config, block_size=block, num_blocks=blocks)
                 caches[attn] = (attn, _filled_cache(model, pages, batch, length))
-            rates = _decode_rates(model, caches, batch, args.decode_steps, args.repeats)
+            times = _decode_times(model, caches, batch, args.decode_steps, args.repeats)
             del caches
-            base = rates.pop("dynamic")
-            for attn, rate in rates.items():
+            base = times.pop("dynamic")
+            rate = lambda seconds: batch * args.decode_steps / statistics.median(seconds)  # noqa: E731
+            for attn, paged in times.items():
                 label = "gathered K/V + sdpa" if attn == "sdpa" else "kvspec_paged attention"
-                _add(report, "decode tok/s", f"bs={batch} S={length}, {label}", base, rate, rate / base, "decode")
+                # ratio: median over rounds of the paired ratio (same round, adjacent in time), which cancels
+                # load that drifts between rounds better than a ratio of two medians
+                ratio = statistics.median(b / p for b, p in zip(base, paged))
+                _add(report, "decode tok/s", f"bs={batch} S={length}, {label}", rate(base), rate(paged), ratio,
+                     "decode")
 
 
 # ---- utilisation and concurrency (the real allocator over simulated lengths) -----------------------------
@@ -187,8 +196,9 @@ def run(args) -> None:
                     settings=vars(args) | {"model": "smollm2-135m-instruct fp32"})
     report.notes += [
         "decode: baseline = DynamicCache tokens/s, paged = PagedCache tokens/s; single-token steps over random "
-        f"K/V with S cached tokens, {args.decode_steps} steps per repeat, median of {args.repeats} repeats "
-        "interleaved across the three variants.",
+        f"K/V with S cached tokens, {args.decode_steps} steps per repeat, {args.repeats} repeats interleaved "
+        "across the three variants (order reversed every other round); tok/s from the median repeat, ratio = median "
+        "over rounds of the paired DynamicCache/PagedCache time ratio.",
         "slot utilisation: baseline = StaticCache sized for the longest sequence; target applies to the paged value.",
         "concurrent seqs: allocator arithmetic over the real BlockPool (no tensors), StaticCache reserves the longest.",
         "TTFT (CPU s): baseline = cold (full prefill), paged = warm (prefix blocks reused via load_prefix); "

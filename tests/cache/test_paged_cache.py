@@ -108,6 +108,23 @@ def test_beam_reorder_shares_blocks_instead_of_copying():
 
 
 # ---- memory discipline ----------------------------------------------------------------------------------
+def test_pages_are_head_major_and_gathered_rows_token_contiguous():
+    """Pages keep the [N, P, Hkv, D] shape but live head-major in memory, so a gathered row is contiguous along
+    tokens per head (the layout SDPA reads fastest) and holds exactly what was written, in order."""
+    cache = PagedCache(model("llama").config, block_size=4, num_blocks=16)
+    gen = torch.Generator().manual_seed(0)
+    first = torch.randn(2, 2, 6, 16, generator=gen)  # [B, Hkv, T, D]
+    cache.update(first, -first, 0)
+    cache.update(first, first, 1)  # the other layer of the tiny model, so the next step starts
+    step = torch.randn(2, 2, 1, 16, generator=gen)
+    keys, values = cache.update(step, -step, 0)
+    pages = cache.layers[0].keys
+    assert pages.shape == (16, 4, 2, 16) and pages.permute(2, 0, 1, 3).is_contiguous()
+    assert keys.shape == (2, 2, 7, 16) and keys.stride()[-2:] == (16, 1)
+    assert torch.equal(keys, torch.cat([first, step], dim=2))
+    assert torch.equal(values, -torch.cat([first, step], dim=2))
+
+
 @pytest.mark.parametrize("attn", [None, ATTN_NAME])
 def test_nan_in_unused_slots_never_reaches_the_output(attn):
     m = model("llama", attn)
