@@ -1,28 +1,45 @@
 """Speculative decoding on the bundled SmolLM2-135M: tau and speed vs plain and vs transformers' assisted generation.
 
-    python scripts/benchmark.py spec [--new-tokens 24] [--draft-layers 2] [--draft-k 4] [--ngram-k 4] [--repeats 1]
+    python scripts/benchmark.py spec [--draft int8|bf16|truncated:N] [--new-tokens 64] [--draft-k 4] [--ngram-k 4]
+                                     [--repeats 3] [--modes greedy,t=0.7] [--methods ...] [--skip-batch]
+                                     [--part NAME]          # writes benchmarks/results/spec.NAME.{json,md}
+    python scripts/benchmark.py spec --combine              # merges every spec.*.json part into spec.{json,md,png}
 
 Compared at bs=1 on a fixed prompt set (chat, code, summarization of a given text), greedy and temperature 0.7:
     plain       model.generate
-    ours/draft  hf_kvspec.DraftModelAssistant(truncated draft, K)       vs  hf/draft  assistant_model=same draft,
-                                                                            num_assistant_tokens=K (constant),
-                                                                            assistant_confidence_threshold=0
-    ours/ngram  hf_kvspec.NgramAssistant(max_ngram=3, K)                vs  hf/ngram  prompt_lookup_num_tokens=K,
-                                                                            max_matching_ngram_size=3
-plus ours/draft-auto (same draft, K chosen per round by the auto controller; may fall back to plain decoding),
-and at bs=4 on summarization prompts: ours/ngram vs plain generate (transformers' assisted decoding is bs=1 only).
-The draft model is a stand-in: the target's first N layers + final norm + LM head (no trained drafter yet).
-tau for transformers is counted with a forward hook on the target (forwards after the prefill).
+    ours/draft  hf_kvspec.DraftModelAssistant(draft, K)           vs  hf/draft  assistant_model=same draft with
+                                                                       num_assistant_tokens=K,
+                                                                       num_assistant_tokens_schedule="constant",
+                                                                       assistant_confidence_threshold=0
+    ours/ngram  hf_kvspec.NgramAssistant(max_ngram=3, K)          vs  hf/ngram  prompt_lookup_num_tokens=K,
+                                                                       max_matching_ngram_size=3
+plus ours/draft-auto (same draft, K chosen per round; may fall back to plain decoding), and at bs=4 on
+summarization prompts ours/ngram vs plain generate (transformers' assisted decoding is bs=1 only).
+
+Stand-in drafts (no trained drafter exists offline; REFERENCE.md §8):
+    int8          the target with every nn.Linear dynamically quantized to int8 (per-channel weights,
+                  torch.ao quantize_dynamic): same tokenizer, useful agreement, ~0.8x the target's step cost
+    bf16          the target cast to bfloat16 (agrees almost always; ~0.85x the cost)
+    truncated:N   the target's first N layers + final norm + LM head (cheap for small N, agrees rarely)
+
+Fairness: every repeat runs all methods once, in an order rotated per repeat (drift hits all methods alike); the
+median of the repeats is reported. Forward hooks on the target and the draft count and time every forward, so each
+row shows tau = new tokens / target forwards (prefill included, any loop), draft forwards per target forward (K
+for both loops when the draft lengths really match), and the loop's own time per target forward (wall time minus
+the forwards: Python, logits processing, cache crops, verification).
 """
 
 from __future__ import annotations
 
+import copy
+import json
 import statistics
 import time
+import warnings
 
 import torch
 
-from bench.harness import Report, save_plot
+from bench.harness import RESULTS_DIR, Report, save_plot
 
 _TEXT_A = (
     "The city council met on Tuesday to discuss the new bicycle lanes planned for the river district. Supporters "
@@ -57,26 +74,80 @@ BATCH_SUMMARIES = [f"Summarize the following text in two sentences, reusing its 
                    for text in (_TEXT_A, _TEXT_B, _TEXT_C, _TEXT_D)]
 MODES = {"greedy": {"do_sample": False}, "t=0.7": {"do_sample": True, "temperature": 0.7}}
 METHODS = ("plain", "ours/draft", "hf/draft", "ours/draft-auto", "ours/ngram", "hf/ngram")
+COLUMNS = ["batch", "mode", "draft", "prompt", "method", "new_tokens", "seconds", "tokens_per_s", "tau",
+           "draft_fwd_per_target_fwd", "loop_ms_per_target_fwd", "speed_vs_plain", "speed_vs_hf_same_drafter",
+           "equals_plain"]
+TITLE = "Speculative decoding on SmolLM2-135M (CPU): tau and speed vs plain and vs transformers"
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--new-tokens", type=int, default=24)
-    parser.add_argument("--draft-layers", type=int, default=2, help="layers of the truncated stand-in draft")
+    parser.add_argument("--draft", default="int8", help="stand-in draft: int8 | bf16 | truncated:N")
+    parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--draft-k", type=int, default=4, help="K for the draft model (ours and transformers')")
     parser.add_argument("--ngram-k", type=int, default=4, help="K for n-gram drafting (ours and prompt lookup)")
-    parser.add_argument("--repeats", type=int, default=1, help="timed runs per cell (median)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs per cell, interleaved (median)")
+    parser.add_argument("--modes", default="greedy,t=0.7", help="comma list of bs=1 modes (empty: none)")
+    parser.add_argument("--methods", default=",".join(METHODS), help="comma list of bs=1 methods")
     parser.add_argument("--skip-batch", action="store_true", help="skip the bs=4 comparison")
+    parser.add_argument("--part", default="", help="write spec.PART.{json,md} (merge them with --combine)")
+    parser.add_argument("--combine", action="store_true", help="merge spec.*.json parts into spec.{json,md,png}")
 
 
-class _ForwardCounter:
-    """Counts forward calls of a module (target forwards of any generate loop)."""
+# ---------------------------------------------------------------------------------------------- drafts
+def make_draft(model, spec: str):
+    """(draft model, description) for a stand-in draft spec; see the module docstring."""
+    if spec == "int8":
+        from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
+
+        with warnings.catch_warnings():  # torch.ao eager quantization is deprecated in favour of torchao
+            warnings.simplefilter("ignore")
+            draft = quantize_dynamic(copy.deepcopy(model), {torch.nn.Linear: per_channel_dynamic_qconfig},
+                                     dtype=torch.qint8)
+        return draft.eval(), "int8 copy of the target (every nn.Linear dynamically quantized, per-channel weights)"
+    if spec == "bf16":
+        return copy.deepcopy(model).to(torch.bfloat16).eval(), "bf16 copy of the target"
+    if spec.startswith("truncated:") and spec.removeprefix("truncated:").isdigit():
+        from hf_kvspec.speculative.drafters.truncated import truncated_draft
+
+        layers = int(spec.removeprefix("truncated:"))
+        return truncated_draft(model, layers), (f"the target's first {layers} of {model.config.num_hidden_layers} "
+                                                f"layers + final norm + LM head")
+    raise ValueError(f"--draft must be int8, bf16 or truncated:N, got {spec!r}")
+
+
+def draft_agreement(model, draft, sequences: list[tuple[torch.Tensor, int]]) -> float:
+    """Teacher-forced top-1 agreement of draft and target on the target's own greedy continuations
+    (``sequences``: (ids [1, L], prompt length)), i.e. on the text speculative decoding actually drafts."""
+    agree = total = 0
+    with torch.inference_mode():
+        for ids, prompt_len in sequences:
+            target = model(ids).logits[0, prompt_len - 1: -1].argmax(-1)
+            drafted = draft(ids).logits[0, prompt_len - 1: -1].float().argmax(-1)
+            agree, total = agree + int((target == drafted).sum()), total + target.numel()
+    return agree / max(total, 1)
+
+
+# ---------------------------------------------------------------------------------------------- timing
+class _ForwardTimer:
+    """Counts and times the top-level forward calls of a module (hooks; the same for every loop)."""
 
     def __init__(self, module):
-        self.calls = 0
-        self.handle = module.register_forward_pre_hook(self._hook)
+        self.calls, self.seconds, self._start = 0, 0.0, 0.0
+        self.handles = [module.register_forward_pre_hook(self._pre), module.register_forward_hook(self._post)]
 
-    def _hook(self, *_):
+    def _pre(self, *_):
+        self._start = time.perf_counter()
+
+    def _post(self, *_):
         self.calls += 1
+        self.seconds += time.perf_counter() - self._start
+
+    def reset(self) -> None:
+        self.calls, self.seconds = 0, 0.0
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
 
 
 def _chat_inputs(tokenizer, prompts: list[str]) -> dict:
@@ -87,30 +158,30 @@ def _chat_inputs(tokenizer, prompts: list[str]) -> dict:
 
 
 def _hf_draft(draft, k: int):
+    """transformers reads the draft length from the assistant's generation config: fix it to K."""
     config = draft.generation_config
-    config.num_assistant_tokens, config.num_assistant_tokens_schedule = k, "constant"
-    config.assistant_confidence_threshold = 0.0
+    config.num_assistant_tokens, config.num_assistant_tokens_schedule = k, "constant"  # no +2/-1 heuristic
+    config.assistant_confidence_threshold = 0.0  # no early stop of the draft on low confidence
     return draft
 
 
 def _call(method, model, draft, inputs, sampling, args):
-    """One generate call; returns (sequences, acceptance stats or None)."""
+    """One generate call; returns the sequences."""
     import hf_kvspec
 
     common = dict(**inputs, max_new_tokens=args.new_tokens, **sampling)
     if method == "plain":
-        return model.generate(**common), None
+        return model.generate(**common)
     if method == "hf/draft":
-        return model.generate(**common, assistant_model=_hf_draft(draft, args.draft_k)), None
+        return model.generate(**common, assistant_model=_hf_draft(draft, args.draft_k))
     if method == "hf/ngram":
-        return model.generate(**common, prompt_lookup_num_tokens=args.ngram_k, max_matching_ngram_size=3), None
+        return model.generate(**common, prompt_lookup_num_tokens=args.ngram_k, max_matching_ngram_size=3)
     if method.startswith("ours/draft"):
         k = "auto" if method.endswith("-auto") else args.draft_k
         assistant = hf_kvspec.DraftModelAssistant(draft, num_draft_tokens=k)
     else:
         assistant = hf_kvspec.NgramAssistant(max_ngram=3, num_draft_tokens=args.ngram_k)
-    out = model.generate(**common, custom_generate=hf_kvspec.speculative_generate, assistant=assistant)
-    return out, assistant.stats
+    return model.generate(**common, custom_generate=hf_kvspec.speculative_generate, assistant=assistant)
 
 
 def _new_tokens(sequences: torch.Tensor, prompt_len: int, eos_id: int) -> int:
@@ -121,111 +192,171 @@ def _new_tokens(sequences: torch.Tensor, prompt_len: int, eos_id: int) -> int:
     return total
 
 
-def _measure(method, model, draft, inputs, sampling, args, counter, eos_id):
-    samples, result = [], None
+def _measure_cell(methods, model, draft, inputs, sampling, args, timers, eos_id) -> dict:
+    """All methods on one prompt, ``repeats`` rounds, method order rotated per round; medians per method."""
+    samples = {m: [] for m in methods}
     for rep in range(args.repeats):
-        torch.manual_seed(rep)
-        counter.calls = 0
-        start = time.perf_counter()
-        with torch.inference_mode():
-            sequences, stats = _call(method, model, draft, inputs, sampling, args)
-        samples.append(time.perf_counter() - start)
-        tokens = _new_tokens(sequences, inputs["input_ids"].shape[1], eos_id)
-        # tau: tokens after the prefill's first token, per target forward after the prefill (per row at bs>1)
-        tau = stats.tokens_per_target_forward if stats else (tokens / sequences.shape[0] - 1) / max(counter.calls - 1, 1)
-        result = dict(tokens=tokens, tau=tau, sequences=sequences)
-    result["seconds"] = statistics.median(samples)
-    return result
+        order = methods[rep % len(methods):] + methods[: rep % len(methods)]
+        for method in order:
+            torch.manual_seed(rep)
+            for timer in timers:
+                timer.reset()
+            start = time.perf_counter()
+            with torch.inference_mode():
+                sequences = _call(method, model, draft, inputs, sampling, args)
+            wall = time.perf_counter() - start
+            target, drafter = timers
+            samples[method].append(dict(
+                seconds=wall, sequences=sequences, target_fwd=target.calls,
+                tokens=_new_tokens(sequences, inputs["input_ids"].shape[1], eos_id),
+                draft_fwd=drafter.calls if "draft" in method else 0,
+                loop_s=wall - target.seconds - (drafter.seconds if "draft" in method else 0.0)))
+    return {m: _median_sample(s) for m, s in samples.items()}
 
 
-def _draft_agreement(model, draft, tokenizer) -> float:
-    """Teacher-forced top-1 agreement of draft and target on the prompts' own text (REFERENCE.md §9)."""
-    ids = tokenizer(" ".join(BATCH_SUMMARIES), return_tensors="pt").input_ids
-    with torch.inference_mode():
-        return float((model(ids).logits.argmax(-1) == draft(ids).logits.argmax(-1)).float().mean())
+def _median_sample(samples: list[dict]) -> dict:
+    ordered = sorted(samples, key=lambda s: s["seconds"])
+    return ordered[len(ordered) // 2]
 
 
+# ---------------------------------------------------------------------------------------------- run
 def run(args) -> None:
+    if args.combine:
+        return combine()
     from hf_kvspec.models import load_bundled_model
-    from hf_kvspec.speculative.drafters.truncated import truncated_draft
 
     model, tokenizer = load_bundled_model()
-    draft = truncated_draft(model, args.draft_layers)
+    draft, description = make_draft(model, args.draft)
     eos_id = model.generation_config.eos_token_id
     eos_id = eos_id[0] if isinstance(eos_id, list) else eos_id
-    counter = _ForwardCounter(model)
-    report = Report("spec", "Speculative decoding on SmolLM2-135M (CPU): tau and speed vs plain and vs transformers",
-                    ["batch", "mode", "prompt", "method", "new_tokens", "seconds", "tokens_per_s", "tau",
-                     "speed_vs_plain", "speed_vs_hf_same_drafter", "equals_plain"],
-                    settings=vars(args) | {"model": "smollm2-135m-instruct fp32", "threads": torch.get_num_threads()})
-    agreement = _draft_agreement(model, draft, tokenizer)
-    report.notes += [
-        f"Draft model: stand-in = the target's first {args.draft_layers} of {model.config.num_hidden_layers} layers "
-        f"+ final norm + LM head (no trained drafter yet); teacher-forced top-1 agreement with the target on the "
-        f"summarization texts: {agreement:.1%}.",
-        "tokens_per_s = real new tokens (to the first EOS) / wall seconds of the generate call, prefill included.",
-        "speed ratios are tokens/s ratios measured in the same run; the machine was shared with other jobs (noisy).",
-        "equals_plain: greedy output token-identical to plain generate (sampling modes draw different tokens).",
-        "speed_vs_hf_same_drafter of ours/draft-auto compares against hf/draft at fixed K (auto K is ours only).",
-    ]
+    methods = [m for m in args.methods.split(",") if m]
+    modes = [m for m in args.modes.split(",") if m]
+    timers = (_ForwardTimer(model), _ForwardTimer(draft))
+    name = f"spec.{args.part}" if args.part else "spec"
+    report = Report(name, TITLE, COLUMNS,
+                    settings=vars(args) | {"model": "smollm2-135m-instruct fp32", "threads": torch.get_num_threads(),
+                                           "hf_assistant": "num_assistant_tokens=K, schedule=constant, "
+                                                           "assistant_confidence_threshold=0"})
     with torch.inference_mode():  # warm up every path once
         warm = _chat_inputs(tokenizer, ["Hi"])
         for method in METHODS:
             _call(method, model, draft, warm, {"do_sample": False}, args)
-    speeds = {}
-    for mode, sampling in MODES.items():
-        for name, prompt in PROMPTS.items():
-            inputs = _chat_inputs(tokenizer, [prompt])
-            results = {m: _measure(m, model, draft, inputs, sampling, args, counter, eos_id) for m in METHODS}
-            _add_rows(report, 1, mode, name, results)
-            for method, res in results.items():
-                speeds.setdefault((mode, method), []).append(res["tokens"] / res["seconds"])
+    continuations = []
+    for mode in modes:
+        for prompt, text in PROMPTS.items():
+            inputs = _chat_inputs(tokenizer, [text])
+            results = _measure_cell(methods, model, draft, inputs, MODES[mode], args, timers, eos_id)
+            _add_rows(report, 1, mode, args.draft, prompt, results)
+            if mode == "greedy" and "plain" in results:
+                continuations.append((results["plain"]["sequences"], inputs["input_ids"].shape[1]))
     if not args.skip_batch:
         inputs = _chat_inputs(tokenizer, BATCH_SUMMARIES)
-        results = {m: _measure(m, model, draft, inputs, {"do_sample": False}, args, counter, eos_id)
-                   for m in ("plain", "ours/ngram")}
-        _add_rows(report, 4, "greedy", "summarize x4", results)
-        ratio = (results["ours/ngram"]["tokens"] / results["ours/ngram"]["seconds"]) / (
-            results["plain"]["tokens"] / results["plain"]["seconds"])
-        report.notes.append(f"bs=4 greedy ours/ngram on 4 summarization prompts: {ratio:.2f}x plain bs=4 generate.")
-    _summary(report, speeds)
-    counter.handle.remove()
+        results = _measure_cell(["plain", "ours/ngram"], model, draft, inputs, {"do_sample": False}, args, timers,
+                                eos_id)
+        _add_rows(report, 4, "greedy", "-", "summarize x4", results)
+    if not continuations:  # agreement on the target's greedy answers to the prompts
+        with torch.inference_mode():
+            for text in PROMPTS.values():
+                ids = _chat_inputs(tokenizer, [text])
+                continuations.append((model.generate(**ids, max_new_tokens=args.new_tokens, do_sample=False),
+                                      ids["input_ids"].shape[1]))
+    agreement = draft_agreement(model, draft, continuations)
+    for timer in timers:
+        timer.remove()
+    report.notes.append(f"Draft `{args.draft}`: {description}; teacher-forced top-1 agreement with the target on "
+                        f"its greedy answers to the prompts: {agreement:.1%}.")
+    report.notes += _headlines(report.rows) + _COMMON_NOTES
     report.write()
-    save_plot("spec", lambda fig: _draw(fig, speeds))
 
 
-def _add_rows(report, batch, mode, prompt, results) -> None:
-    plain = results["plain"]
+def _add_rows(report, batch, mode, draft, prompt, results) -> None:
+    plain = results.get("plain")
     for method, res in results.items():
         rate = res["tokens"] / res["seconds"]
         rival = results.get(method.replace("ours/", "hf/").removesuffix("-auto")) if method.startswith("ours/") else None
-        report.add(batch=batch, mode=mode, prompt=prompt, method=method, new_tokens=res["tokens"],
-                   seconds=round(res["seconds"], 2), tokens_per_s=round(rate, 2), tau=round(res["tau"], 2),
-                   speed_vs_plain=round(rate / (plain["tokens"] / plain["seconds"]), 2),
+        forwards = max(res["target_fwd"], 1)
+        report.add(batch=batch, mode=mode, draft=draft if "draft" in method else "-", prompt=prompt, method=method,
+                   new_tokens=res["tokens"], seconds=round(res["seconds"], 2), tokens_per_s=round(rate, 2),
+                   tau=round(res["tokens"] / batch / forwards, 2),
+                   draft_fwd_per_target_fwd=round(res["draft_fwd"] / forwards, 2),
+                   loop_ms_per_target_fwd=round(1000 * res["loop_s"] / forwards, 1),
+                   speed_vs_plain=round(rate / (plain["tokens"] / plain["seconds"]), 2) if plain else "",
                    speed_vs_hf_same_drafter=(round(rate / (rival["tokens"] / rival["seconds"]), 2) if rival else ""),
-                   equals_plain=(torch.equal(res["sequences"], plain["sequences"]) if mode == "greedy" else ""))
+                   equals_plain=(torch.equal(res["sequences"], plain["sequences"])
+                                 if plain and mode == "greedy" else ""))
 
 
-def _summary(report, speeds) -> None:
-    """Geometric means over prompts per mode, as notes (the headline figures)."""
-    def geo(values):
-        return float(torch.tensor(values).log().mean().exp())
+def _geo(values: list[float]) -> float:
+    return float(torch.tensor(values, dtype=torch.float64).log().mean().exp())
 
-    for mode in MODES:
-        plain = geo(speeds[(mode, "plain")])
+
+def _headlines(rows: list[dict]) -> list[str]:
+    """Geometric means over prompts of one run's bs=1 ratios per mode, plus its bs=4 ratio."""
+    notes = []
+    rate = {(r["mode"], r["prompt"], r["method"]): r["tokens_per_s"] for r in rows if r["batch"] == 1}
+    draft = next((r["draft"] for r in rows if r["draft"] != "-"), "-")
+    for mode in dict.fromkeys(r["mode"] for r in rows if r["batch"] == 1):
         for ours, theirs in (("ours/draft", "hf/draft"), ("ours/draft-auto", "hf/draft"), ("ours/ngram", "hf/ngram")):
-            mine, rival = geo(speeds[(mode, ours)]), geo(speeds[(mode, theirs)])
-            report.notes.append(f"bs=1 {mode} {ours}: {mine / plain:.2f}x plain, {mine / rival:.2f}x {theirs} "
-                                f"(geometric mean over prompts)")
+            prompts = [p for p in PROMPTS if (mode, p, ours) in rate and (mode, p, theirs) in rate]
+            if not prompts:
+                continue
+            vs = _geo([rate[(mode, p, ours)] / rate[(mode, p, theirs)] for p in prompts])
+            plain = [rate[(mode, p, ours)] / rate[(mode, p, "plain")] for p in prompts if (mode, p, "plain") in rate]
+            label = f"bs=1 {mode} {ours}" + (f" (draft {draft})" if "draft" in ours else "")
+            notes.append(f"{label}: {vs:.2f}x {theirs}" + (f", {_geo(plain):.2f}x plain" if plain else "")
+                         + " (geometric mean over prompts)")
+    for r in rows:
+        if r["batch"] == 4 and r["method"] == "ours/ngram":
+            notes.append(f"bs=4 greedy ours/ngram on 4 summarization prompts: {r['speed_vs_plain']}x plain bs=4 "
+                         f"generate (tau {r['tau']}).")
+    return notes
 
 
-def _draw(fig, speeds) -> None:
+# ---------------------------------------------------------------------------------------------- merge
+def combine() -> None:
+    """Merge the ``spec.<part>.json`` results into ``spec.{json,md,png}`` (headlines recomputed from rows)."""
+    parts = sorted(p for p in RESULTS_DIR.glob("spec.*.json") if p.name != "spec.json")
+    if not parts:
+        raise SystemExit("no benchmarks/results/spec.<part>.json to combine; run with --part NAME first")
+    report = Report("spec", TITLE, COLUMNS, settings={})
+    for path in parts:
+        payload = json.loads(path.read_text())
+        part = path.name.removeprefix("spec.").removesuffix(".json")
+        report.rows += [row | {"part": part} for row in payload["rows"]]
+        report.notes += [f"[{part}] {note}" for note in payload["notes"] if note not in _COMMON_NOTES]
+        report.settings[part] = payload["settings"] | {"date": payload["environment"]["date"]}
+    report.columns = ["part", *COLUMNS]
+    report.notes = _COMMON_NOTES + report.notes
+    report.write()
+    save_plot("spec", lambda fig: _draw(fig, report.rows))
+
+
+_COMMON_NOTES = [
+    "tokens_per_s = real new tokens (to the first EOS) / wall seconds of the generate call, prefill included; "
+    "median of the repeats, methods interleaved (order rotated per repeat).",
+    "tau = new tokens per target forward (hook-counted, prefill included, the same count for every loop); "
+    "draft_fwd_per_target_fwd = draft forwards per target forward (K for both loops at fixed K); "
+    "loop_ms_per_target_fwd = (wall - target forwards - draft forwards) / target forwards: the loop's own cost.",
+    "transformers' assisted generation: num_assistant_tokens=K, num_assistant_tokens_schedule='constant', "
+    "assistant_confidence_threshold=0 (so its K never adapts); ours/draft-auto is compared with that fixed-K run.",
+    "equals_plain: greedy output token-identical to plain generate (sampling modes draw different tokens).",
+    "The machine (2 cores) was shared with other jobs: ratios come from the same run, absolute speeds are noisy.",
+]
+
+
+def _draw(fig, rows) -> None:
     ax = fig.add_subplot(1, 1, 1)
-    labels = list(METHODS)
-    for offset, mode in enumerate(MODES):
-        values = [statistics.mean(speeds[(mode, m)]) for m in labels]
-        ax.bar([i + 0.4 * offset for i in range(len(labels))], values, width=0.4, label=mode)
-    ax.set_xticks([i + 0.2 for i in range(len(labels))], labels)
-    ax.set_ylabel("tokens/s (mean over prompts)")
+    single = [r for r in rows if r["batch"] == 1]
+    bars = list(dict.fromkeys((r["part"], r["mode"]) for r in single))
+    labels = [m for m in METHODS if any(r["method"] == m for r in single)]
+    width = 0.8 / max(len(bars), 1)
+    for offset, (part, mode) in enumerate(bars):
+        cell = [r for r in single if r["part"] == part and r["mode"] == mode]
+        draft = next((r["draft"] for r in cell if r["draft"] != "-"), "-")
+        values = [statistics.mean([r["speed_vs_plain"] for r in cell if r["method"] == m] or [0]) for m in labels]
+        ax.bar([i + width * offset for i in range(len(labels))], values, width=width, label=f"{mode}, draft {draft}")
+    ax.axhline(1.0, color="grey", linewidth=0.8)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(labels))], labels, fontsize=8)
+    ax.set_ylabel("speed vs plain generate (mean over prompts)")
     ax.set_title("bs=1 SmolLM2-135M on CPU: speculative vs plain vs transformers")
-    ax.legend()
+    ax.legend(fontsize=7)
