@@ -2,8 +2,9 @@
 
 Boundary: builds a new, independent ``PreTrainedModel`` from a target; no training. Useful until a trained
 drafter exists (and as the "same draft" in comparisons with transformers' assisted generation). Expect low
-acceptance on models not trained for early exit (REFERENCE.md §8: < 1% for SmolLM2 with 4 or 10 of 30 layers);
-LayerSkip (2404.16710) trains for it.
+acceptance on models not trained for early exit: measured on SmolLM2-135M's own greedy answers, top-1
+agreement is 1.5% with 2 of 30 layers, 4% with 14, 31% with 24 and 51% with 28 (when the draft costs as much
+as the target); LayerSkip (2404.16710) trains for it.
 """
 
 from __future__ import annotations
