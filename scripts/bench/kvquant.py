@@ -1,11 +1,15 @@
 """Quantized KV caches on real text: Δppl through the cache, bytes at 4k tokens, decode speed, greedy agreement.
 
-    python scripts/benchmark.py kvquant --decode-steps 8   # the committed run (~13 min, one CPU thread)
-    python scripts/benchmark.py kvquant --quick         # smoke run (~1 min)
+    python scripts/benchmark.py kvquant --sections ppl bytes   # the committed run, in three parts of
+    python scripts/benchmark.py kvquant --sections speed       # 2-5 min each (one CPU thread); a partial run
+    python scripts/benchmark.py kvquant --sections greedy      # keeps the other sections' columns from the file
+    python scripts/benchmark.py kvquant --quick                # smoke run (~1 min, all sections)
 
 Model: the bundled SmolLM2-135M-Instruct (fp32). Text: held-out files of the ``python-docs`` corpus (Python 3.11
 documentation, reST, from Debian's python3.11-doc; ``hf_kvspec.corpus``). Every cache is compared with
-DynamicCache measured in the same run:
+DynamicCache measured in the same run. Our caches are read by the fused ``kvspec_quant`` attention (scores from
+the codes); ``kivi4-dequant`` is the same KIVI-4 cache read by SDPA over its dequantized copy (the reference
+path); DynamicCache and transformers' QuantizedCache use SDPA.
 
 * perplexity: teacher-forced *decoding* — prefill ``--prefix`` tokens, then feed the rest of each segment in
   chunks of ``--chunk`` tokens, so every predicted token attends to a quantized history (the window holds the
@@ -30,16 +34,32 @@ from bench.harness import Report, save_plot
 # name -> QuantizedKVCache settings (the CLI's --cache names); kivi2 uses the paper's group 32
 CACHES = {
     "kivi4": dict(method="kivi", bits=4, group_size=64, residual_length=128),
+    "kivi4-dequant": dict(method="kivi", bits=4, group_size=64, residual_length=128),
     "kivi2": dict(method="kivi", bits=2, group_size=32, residual_length=128),
     "kivi2-sinks": dict(method="kivi", bits=2, group_size=32, residual_length=128, sink_tokens=4),
     "int8": dict(method="int8"),
     "fp8": dict(method="fp8"),
 }
 TARGETS = {"kivi4": (3.4, 1.0), "kivi2": (5.0, 5.0)}  # (min bytes ratio vs fp16, max Δppl %)
+SECTIONS = ("ppl", "bytes", "speed", "greedy")
+
+
+def _attention(name: str) -> str:
+    """The attention implementation a cache is measured with (see the module docstring)."""
+    return "kvspec_quant" if name in CACHES and name != "kivi4-dequant" else "sdpa"
+
+
+def _use_attention(model, name: str) -> None:
+    from hf_kvspec import _compat
+
+    if _compat.attn_implementation(model.config) != _attention(name):
+        model.set_attn_implementation(_attention(name))
 
 
 def add_arguments(parser) -> None:
     parser.add_argument("--quick", action="store_true", help="tiny sizes, for a smoke run")
+    parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS),
+                        help="what to measure; columns of the other sections are kept from the existing results file")
     parser.add_argument("--segments", type=int, default=2, help="perplexity segments (one per document)")
     parser.add_argument("--segment-len", type=int, default=768)
     parser.add_argument("--prefix", type=int, default=128, help="tokens prefilled before chunked decoding")
@@ -58,21 +78,25 @@ def run(args) -> None:
         args.segments, args.segment_len, args.prefix, args.contexts = 1, 320, 128, [256]
         args.decode_steps, args.prompts, args.prompt_len, args.new_tokens = 4, 4, 64, 16
     from hf_kvspec import load_bundled_model
+    from hf_kvspec.cache.quantized_attention import register_quantized_attention
     from hf_kvspec.corpus import load_text_corpus
 
+    register_quantized_attention()
     model, tokenizer = load_bundled_model()
     docs = [tokenizer(text, return_tensors="pt").input_ids[0] for text in load_text_corpus("python-docs", "test")["text"]]
     report = Report("kvquant", "Quantized KV caches on real text (bundled SmolLM2-135M, python-docs test split)",
                     ["cache", "settings", "ppl", "Δppl %", "bytes ratio vs fp16", "bytes ratio vs fp32",
                      *[f"{metric} @{ctx}" for ctx in args.contexts
                        for metric in ("ms/token", "speed vs dynamic", "speed vs quanto")],
-                     "greedy agreement", "first divergence"],
-                    settings={k: v for k, v in vars(args).items() if k != "func"})
+                     "greedy agreement", "first divergence"])
     report.notes.append("Machine shared with other jobs (2 cores, ~6 processes): timings are noisy; compare "
                         "ratios within the run. torch threads = 1.")
-    segments = _segments(docs, args.segments, args.segment_len)
+    segments = _segments(docs, args.segments, args.segment_len) if "ppl" in args.sections else []
     with torch.inference_mode():
         rows = _measure_all(model, docs, segments, args, report)
+    rows, report.settings = _merge_previous(rows, args)
+    for section, run_info in report.settings["section_runs"].items():
+        report.notes.append(f"section {section}: measured {run_info['date']}")
     for row in rows:
         report.add(**row)
     _target_notes(report, rows)
@@ -108,35 +132,69 @@ def _quanto_status(config) -> str | None:
 
 
 def _measure_all(model, docs, segments, args, report) -> list[dict]:
-    config = model.config
-    quanto_error = _quanto_status(config)
+    quanto_error = _quanto_status(model.config)
     if quanto_error:
         report.notes.append(f"transformers QuantizedCache (quanto) unavailable, not compared: {quanto_error}")
     names = ["dynamic", *CACHES] + ([] if quanto_error else ["quanto-kivi4"])
-    print(f"perplexity on {len(segments)} segments of {args.segment_len} tokens", flush=True)
-    ppl = {name: _perplexity(model, segments, name, args) for name in names}
-    print("decode speed", flush=True)
-    speed = _decode_speeds(model, _prompt(docs, max(args.contexts)), names, args)
-    print("greedy agreement", flush=True)
-    batch = _prompt_batch(docs, args.prompts, args.prompt_len)
-    greedy = {name: _greedy(model, batch, name, args.new_tokens) for name in ["dynamic", *CACHES]}
-    ratios = {name: _bytes_ratios(config, name) for name in ["dynamic", *CACHES]}
-    rows = []
-    for name in names:
-        agreement, divergence = _agreement(greedy.get(name), greedy["dynamic"], batch[0].shape[1])
-        fp16, fp32 = ratios.get(name, (None, None))
-        rows.append({
-            "cache": name, "settings": _describe(name), "ppl": ppl[name],
-            "Δppl %": 100 * (ppl[name] / ppl["dynamic"] - 1),
-            "bytes ratio vs fp16": fp16, "bytes ratio vs fp32": fp32,
-            "greedy agreement": agreement, "first divergence": divergence,
-        })
-        for ctx, times in speed.items():
-            rows[-1][f"ms/token @{ctx}"] = 1000 * times[name]
-            rows[-1][f"speed vs dynamic @{ctx}"] = times["dynamic"] / times[name]
-            rows[-1][f"speed vs quanto @{ctx}"] = times["quanto-kivi4"] / times[name] if "quanto-kivi4" in times \
-                else None
-    return rows
+    rows = {name: {"cache": name, "settings": _describe(name)} for name in names}
+    if "ppl" in args.sections:
+        print(f"perplexity on {len(segments)} segments of {args.segment_len} tokens", flush=True)
+        ppl = {name: _perplexity(model, segments, name, args) for name in names}
+        for name in names:
+            rows[name].update({"ppl": ppl[name], "Δppl %": 100 * (ppl[name] / ppl["dynamic"] - 1)})
+    if "bytes" in args.sections:
+        for name in ["dynamic", *CACHES]:
+            fp16, fp32 = _bytes_ratios(model.config, name)
+            rows[name].update({"bytes ratio vs fp16": fp16, "bytes ratio vs fp32": fp32})
+    if "speed" in args.sections:
+        print("decode speed", flush=True)
+        for ctx, times in _decode_speeds(model, _prompt(docs, max(args.contexts)), names, args).items():
+            for name in names:
+                rows[name].update({
+                    f"ms/token @{ctx}": 1000 * times[name], f"speed vs dynamic @{ctx}": times["dynamic"] / times[name],
+                    f"speed vs quanto @{ctx}": times["quanto-kivi4"] / times[name] if "quanto-kivi4" in times else None})
+    if "greedy" in args.sections:
+        print("greedy agreement", flush=True)
+        batch = _prompt_batch(docs, args.prompts, args.prompt_len)
+        greedy = {name: _greedy(model, batch, name, args.new_tokens) for name in ["dynamic", *CACHES]}
+        for name in greedy:
+            agreement, divergence = _agreement(greedy[name], greedy["dynamic"], batch[0].shape[1])
+            rows[name].update({"greedy agreement": agreement, "first divergence": divergence})
+    return list(rows.values())
+
+
+def _section_of(column: str) -> str | None:
+    if column in ("ppl", "Δppl %"):
+        return "ppl"
+    if column.startswith("bytes ratio"):
+        return "bytes"
+    if column.startswith(("ms/token", "speed vs")):
+        return "speed"
+    return "greedy" if column in ("greedy agreement", "first divergence") else None
+
+
+def _merge_previous(rows: list[dict], args) -> tuple[list[dict], dict]:
+    """Fill the columns of sections not measured now from the existing results file; return (rows, settings)
+    where settings["section_runs"] records, per section, the date and options of the run that measured it."""
+    import json
+    import time as _time
+
+    from bench.harness import RESULTS_DIR
+
+    options = {k: v for k, v in vars(args).items() if k not in ("func", "sections")}
+    runs = {section: {"date": _time.strftime("%Y-%m-%d %H:%M"), "options": options} for section in args.sections}
+    path = RESULTS_DIR / "kvquant.json"
+    if set(args.sections) == set(SECTIONS) or args.quick or not path.exists():
+        return rows, {"section_runs": runs}
+    previous = json.loads(path.read_text())
+    old_runs = previous.get("settings", {}).get("section_runs", {})
+    old_rows = {row["cache"]: row for row in previous["rows"]}
+    kept = [section for section in SECTIONS if section not in args.sections]
+    for row in rows:
+        for column, value in old_rows.get(row["cache"], {}).items():
+            if _section_of(column) in kept:
+                row[column] = value
+    return rows, {"section_runs": {**{s: r for s, r in old_runs.items() if s not in runs}, **runs}}
 
 
 def _describe(name: str) -> str:
@@ -144,7 +202,8 @@ def _describe(name: str) -> str:
         return "full precision"
     if name == "quanto-kivi4":
         return "transformers QuantizedCache(quanto), 4 bit, group 64, residual 128"
-    return ", ".join(f"{k}={v}" for k, v in CACHES[name].items())
+    read = "fused kvspec_quant attention" if _attention(name) == "kvspec_quant" else "SDPA on the dequantized copy"
+    return ", ".join(f"{k}={v}" for k, v in CACHES[name].items()) + f"; {read}"
 
 
 # ---------------------------------------------------------------------------------------------------- measurements
@@ -158,6 +217,7 @@ def _segments(docs, count: int, length: int) -> list[torch.Tensor]:
 def _perplexity(model, segments, name, args) -> float:
     """exp(mean NLL) of every token after the prefix, predicted while decoding the segment chunk by chunk."""
     nll, count = 0.0, 0
+    _use_attention(model, name)
     for ids in segments:
         cache = _make(name, model.config)
         logits = model(ids[:, :args.prefix], cache=cache).logits[:, -1:]
@@ -203,6 +263,7 @@ def _decode_speeds(model, prompt, names, args) -> dict[int, dict[str, float]]:
         for r in range(rounds):
             for name in names:
                 count = steps[name] // rounds + (steps[name] % rounds if r == rounds - 1 else 0)
+                _use_attention(model, name)
                 start = time.perf_counter()
                 for _ in range(count):
                     tokens[name] = model(tokens[name], cache=caches[name]).logits[:, -1:].argmax(-1)
@@ -231,6 +292,7 @@ def _prompt_batch(docs, count: int, length: int):
 
 def _greedy(model, batch, name, new_tokens: int) -> torch.Tensor:
     ids, mask = batch
+    _use_attention(model, name)
     out = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                          pad_token_id=0, cache=_make(name, model.config))
     print(f"  {name}: generated {out.shape[1] - ids.shape[1]} tokens x {ids.shape[0]} prompts", flush=True)
@@ -281,6 +343,8 @@ def _target_notes(report, rows) -> None:
     by_name = {row["cache"]: row for row in rows}
     for name, (min_ratio, max_dppl) in TARGETS.items():
         row = by_name[name]
+        if row.get("bytes ratio vs fp16") is None or row.get("Δppl %") is None:
+            continue
         report.notes.append(
             f"target {name}: bytes ≥ {min_ratio}x smaller than fp16 DynamicCache at 4k -> "
             f"{row['bytes ratio vs fp16']:.2f}x ({'met' if row['bytes ratio vs fp16'] >= min_ratio else 'MISSED'}); "
@@ -293,7 +357,8 @@ def _target_notes(report, rows) -> None:
 
 
 def _draw(fig, rows) -> None:
-    ours = [row for row in rows if row["bytes ratio vs fp16"] is not None and row["cache"] != "dynamic"]
+    ours = [row for row in rows if row.get("bytes ratio vs fp16") is not None and row.get("Δppl %") is not None
+            and row["cache"] != "dynamic"]
     ax = fig.add_subplot(1, 2, 1)
     ax.scatter([r["bytes ratio vs fp16"] for r in ours], [r["Δppl %"] for r in ours])
     for r in ours:
@@ -301,7 +366,10 @@ def _draw(fig, rows) -> None:
     ax.set_xlabel("cache bytes ratio vs fp16 DynamicCache (4k tokens)")
     ax.set_ylabel("Δppl % vs DynamicCache")
     ax = fig.add_subplot(1, 2, 2)
-    longest = max(int(k.split("@")[1]) for k in rows[0] if k.startswith("ms/token @"))
-    ax.bar([r["cache"] for r in rows], [r[f"ms/token @{longest}"] for r in rows])
+    longest = max((int(k.split("@")[1]) for row in rows for k in row if k.startswith("ms/token @")), default=None)
+    if longest is None:
+        return
+    timed = [r for r in rows if r.get(f"ms/token @{longest}") is not None]
+    ax.bar([r["cache"] for r in timed], [r[f"ms/token @{longest}"] for r in timed])
     ax.set_ylabel(f"decode ms/token at {longest} cached tokens (1 thread)")
     ax.tick_params(axis="x", rotation=30)
