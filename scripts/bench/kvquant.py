@@ -1,7 +1,7 @@
 """Quantized KV caches on real text: Δppl through the cache, bytes at 4k tokens, decode speed, greedy agreement.
 
     python scripts/benchmark.py kvquant --sections ppl bytes   # the committed run, in three parts of
-    python scripts/benchmark.py kvquant --sections speed       # 2-5 min each (one CPU thread); a partial run
+    python scripts/benchmark.py kvquant --sections speed --decode-steps 32  # 3-7 min each (one CPU thread); a partial run
     python scripts/benchmark.py kvquant --sections greedy      # keeps the other sections' columns from the file
     python scripts/benchmark.py kvquant --quick                # smoke run (~1 min, all sections)
 
