@@ -82,6 +82,9 @@ TITLE = "Speculative decoding on SmolLM2-135M (CPU): tau and speed vs plain and 
 
 
 def add_arguments(parser) -> None:
+    parser.add_argument("--target", default="smollm2", choices=["smollm2", "tiny"],
+                        help="tiny: a 2-layer random Llama as target and (same weights) draft, where the loops' own "
+                             "costs dominate (bs=1 greedy, plain vs ours/draft vs hf/draft only)")
     parser.add_argument("--draft", default="int8", help="stand-in draft: int8 | bf16 | truncated:N")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--draft-k", type=int, default=4, help="K for the draft model (ours and transformers')")
@@ -226,6 +229,8 @@ def _median_sample(samples: list[dict]) -> dict:
 def run(args) -> None:
     if args.combine:
         return combine()
+    if args.target == "tiny":
+        return _run_tiny(args)
     from hf_kvspec.models import load_bundled_model
 
     model, tokenizer = load_bundled_model()
@@ -272,6 +277,37 @@ def run(args) -> None:
     report.write()
 
 
+def _run_tiny(args) -> None:
+    """The loop-bound regime (REFERENCE.md §9): forwards of a 2-layer, 64-wide Llama take ~1 ms, so what each loop
+    does around them decides; the draft is the target's own weights (always right, tau = K + 1)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=256, max_position_embeddings=512)
+    model = LlamaForCausalLM(config).eval()
+    model.generation_config.eos_token_id = None  # random weights: always generate the full length
+    draft = copy.deepcopy(model)
+    methods = ["plain", "ours/draft", "hf/draft"]
+    timers = (_ForwardTimer(model), _ForwardTimer(draft))
+    report = Report(f"spec.{args.part or 'tiny'}", TITLE, COLUMNS,
+                    settings=vars(args) | {"model": "random Llama, 2 layers, hidden 64, vocab 256",
+                                           "threads": torch.get_num_threads()})
+    with torch.inference_mode():
+        warm = {"input_ids": torch.ones(1, 4, dtype=torch.long), "pad_token_id": 0}
+        for method in methods:
+            _call(method, model, draft, warm, {"do_sample": False}, args)
+    for seed in range(3):
+        ids = torch.randint(3, 256, (1, 16), generator=torch.Generator().manual_seed(seed))
+        inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "pad_token_id": 0}
+        results = _measure_cell(methods, model, draft, inputs, {"do_sample": False}, args, timers, eos_id=-1)
+        _add_rows(report, 1, "greedy", "tiny-copy", f"random-{seed}", results)
+    report.notes.append("Draft `tiny-copy`: the tiny target's own weights (agreement 100%); target and draft "
+                        "forwards take about a millisecond, so this isolates the loops' own costs.")
+    report.notes += _headlines(report.rows) + _COMMON_NOTES
+    report.write()
+
+
 def _add_rows(report, batch, mode, draft, prompt, results) -> None:
     plain = results.get("plain")
     for method, res in results.items():
@@ -297,10 +333,11 @@ def _headlines(rows: list[dict]) -> list[str]:
     """Geometric means over prompts of one run's bs=1 ratios per mode, plus its bs=4 ratio."""
     notes = []
     rate = {(r["mode"], r["prompt"], r["method"]): r["tokens_per_s"] for r in rows if r["batch"] == 1}
+    names = list(dict.fromkeys(r["prompt"] for r in rows if r["batch"] == 1))
     draft = next((r["draft"] for r in rows if r["draft"] != "-"), "-")
     for mode in dict.fromkeys(r["mode"] for r in rows if r["batch"] == 1):
         for ours, theirs in (("ours/draft", "hf/draft"), ("ours/draft-auto", "hf/draft"), ("ours/ngram", "hf/ngram")):
-            prompts = [p for p in PROMPTS if (mode, p, ours) in rate and (mode, p, theirs) in rate]
+            prompts = [p for p in names if (mode, p, ours) in rate and (mode, p, theirs) in rate]
             if not prompts:
                 continue
             vs = _geo([rate[(mode, p, ours)] / rate[(mode, p, theirs)] for p in prompts])
