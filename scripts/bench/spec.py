@@ -1,7 +1,7 @@
 """Speculative decoding on the bundled SmolLM2-135M: tau and speed vs plain and vs transformers' assisted generation.
 
-    python scripts/benchmark.py spec [--draft int8|bf16|truncated:N] [--new-tokens 64] [--draft-k 4] [--ngram-k 4]
-                                     [--repeats 3] [--modes greedy,t=0.7] [--methods ...] [--skip-batch]
+    python scripts/benchmark.py spec [--target smollm2|tiny] [--draft int8|bf16|truncated:N] [--new-tokens 64] [--draft-k 4]
+                                     [--ngram-k 4] [--repeats 3] [--modes greedy,t=0.7] [--methods ...] [--skip-batch]
                                      [--part NAME]          # writes benchmarks/results/spec.NAME.{json,md}
     python scripts/benchmark.py spec --combine              # merges every spec.*.json part into spec.{json,md,png}
 
