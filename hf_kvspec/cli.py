@@ -82,13 +82,14 @@ def _prompt_ids(tokenizer, prompt: str, chat: bool) -> dict:
 def _run_generate(args) -> None:
     from transformers import TextStreamer
 
-    from hf_kvspec.cache.factory import cache_nbytes, make_cache
+    from hf_kvspec.cache.factory import cache_nbytes, enable_cache_attention, make_cache
     from hf_kvspec.models import load_bundled_model
 
     torch.set_num_threads(args.threads)
     model, tokenizer = load_bundled_model(args.model)
     inputs = _prompt_ids(tokenizer, args.prompt, chat=not args.no_chat)
     cache = make_cache(args.cache, model.config)
+    enable_cache_attention(args.cache, model)  # e.g. kivi4 attends on its codes instead of dequantizing per step
     sampling = {"do_sample": True, "temperature": args.temperature} if args.temperature > 0 else {"do_sample": False}
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
     speculative = _speculative_kwargs(args, model)

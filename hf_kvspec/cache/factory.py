@@ -34,6 +34,21 @@ def make_cache(name: str, config):
     raise ValueError(f"Unknown cache {name!r}; choose one of {', '.join(CACHE_CHOICES)}.")
 
 
+def enable_cache_attention(name: str, model):
+    """Switch ``model`` to the attention that reads cache ``name`` natively, if there is one.
+
+    Quantized caches get ``kvspec_quant`` (scores and outputs from the stored codes, no dequantized history).
+    Returns the patch (``.remove()`` restores the previous attention) or None when the cache needs no switch.
+    """
+    if name in _QUANTIZED:
+        from hf_kvspec.cache.quantized_attention import enable_quantized_attention
+
+        return enable_quantized_attention(model)
+    if name not in CACHE_CHOICES:
+        raise ValueError(f"Unknown cache {name!r}; choose one of {', '.join(CACHE_CHOICES)}.")
+    return None
+
+
 def cache_nbytes(cache) -> int:
     """Bytes a cache actually stores: its own ``nbytes()`` when it has one, else the sum over its tensors."""
     own = getattr(cache, "nbytes", None)
