@@ -97,14 +97,18 @@ def decode_part(model, args, report: Report) -> None:
             times = _decode_times(model, caches, batch, args.decode_steps, args.repeats)
             del caches
             base = times.pop("dynamic")
-            rate = lambda seconds: batch * args.decode_steps / statistics.median(seconds)  # noqa: E731
             for attn, paged in times.items():
                 label = "gathered K/V + sdpa" if attn == "sdpa" else "kvspec_paged attention"
                 # ratio: median over rounds of the paired ratio (same round, adjacent in time), which cancels
                 # load that drifts between rounds better than a ratio of two medians
                 ratio = statistics.median(b / p for b, p in zip(base, paged))
-                _add(report, "decode tok/s", f"bs={batch} S={length}, {label}", rate(base), rate(paged), ratio,
-                     "decode")
+                _add(report, "decode tok/s", f"bs={batch} S={length}, {label}",
+                     _rate(base, batch, args.decode_steps), _rate(paged, batch, args.decode_steps), ratio, "decode")
+
+
+def _rate(seconds: list[float], batch: int, steps: int) -> float:
+    """Decode tokens/s from the per-round seconds of ``steps`` steps at ``batch`` rows (median round)."""
+    return batch * steps / statistics.median(seconds)
 
 
 # ---- utilisation and concurrency (the real allocator over simulated lengths) -----------------------------
