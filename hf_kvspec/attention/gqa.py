@@ -33,9 +33,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from hf_kvspec import _compat
 from hf_kvspec.attention.masks import additive_sdpa_mask, fold_mask, implicit_causal, normalize_mask
-from hf_kvspec.attention.patch import AttentionPatch
+from hf_kvspec.attention.patch import AttentionPatch, register_attention, switch_attention, unregister_attention
 
 ATTN_NAME = "kvspec_gqa"
 FOLD_MAX_QUERY_TOKENS = 64  # folded mask G·T·S floats stays below one repeat_kv copy at T <= 64
@@ -116,20 +115,12 @@ def register_gqa() -> None:
     name and padding would be silently ignored. ``additive_sdpa_mask`` is ``sdpa_mask`` (``None`` when
     ``is_causal`` suffices) as a float mask built once per forward. Idempotent.
     """
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
-
-    if _compat.attention_entries(ATTN_NAME) == (gqa_attention_forward, additive_sdpa_mask):
-        return
-    _saved_entries.setdefault(ATTN_NAME, _compat.attention_entries(ATTN_NAME))
-    AttentionInterface.register(ATTN_NAME, gqa_attention_forward)
-    AttentionMaskInterface.register(ATTN_NAME, additive_sdpa_mask)
+    register_attention(ATTN_NAME, gqa_attention_forward, additive_sdpa_mask, _saved_entries)
 
 
 def unregister_gqa() -> None:
     """Restore whatever was registered under ``kvspec_gqa`` before ``register_gqa()`` (usually nothing)."""
-    if ATTN_NAME in _saved_entries:
-        _compat.restore_attention_entries(ATTN_NAME, *_saved_entries.pop(ATTN_NAME))
+    unregister_attention(ATTN_NAME, _saved_entries)
 
 
 def enable_gqa(model) -> AttentionPatch:
@@ -139,9 +130,4 @@ def enable_gqa(model) -> AttentionPatch:
     ``AttentionInterface`` (Llama, Qwen2, Mistral, SmolLM2 ... and DeepSeek's MLA, which has ``G = 1``).
     """
     register_gqa()
-    previous = _compat.attn_implementation(model.config)
-    model.set_attn_implementation(ATTN_NAME)
-    if _compat.attn_implementation(model.config) != ATTN_NAME:
-        raise ValueError(f"{type(model).__name__} cannot switch attention implementation after loading; load it "
-                         f"with attn_implementation={ATTN_NAME!r} after hf_kvspec.register().")
-    return AttentionPatch(ATTN_NAME, lambda: model.set_attn_implementation(previous), f"previous={previous!r}")
+    return switch_attention(model, ATTN_NAME)

@@ -176,21 +176,13 @@ _previous: dict[str, tuple[object | None, object | None]] = {}
 
 def register_paged_attention() -> None:
     """Register ``kvspec_paged`` with ``AttentionInterface`` and ``AttentionMaskInterface``. Idempotent."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
+    from hf_kvspec.attention.patch import register_attention
 
-    from hf_kvspec import _compat
-
-    if ATTN_NAME not in _previous:
-        _previous[ATTN_NAME] = _compat.attention_entries(ATTN_NAME)
-    AttentionInterface.register(ATTN_NAME, paged_attention_forward)
-    # without a mask entry transformers would silently hand the function attention_mask=None
-    AttentionMaskInterface.register(ATTN_NAME, paged_attention_mask)
+    register_attention(ATTN_NAME, paged_attention_forward, paged_attention_mask, _previous)
 
 
 def unregister_paged_attention() -> None:
     """Undo ``register_paged_attention``, restoring whatever held the name before. Safe to repeat."""
-    from hf_kvspec import _compat
+    from hf_kvspec.attention.patch import unregister_attention
 
-    if ATTN_NAME in _previous:
-        _compat.restore_attention_entries(ATTN_NAME, *_previous.pop(ATTN_NAME))
+    unregister_attention(ATTN_NAME, _previous)

@@ -1,7 +1,9 @@
 """The handle every hf_kvspec attention patch returns: ``.remove()`` undoes it, ``with`` scopes it.
 
 Boundary: bookkeeping only. The patch itself (switching an attention implementation, replacing an MLA
-module's forward) is done by its own module, which hands this class the closure that undoes it.
+module's forward) is done by its own module, which hands this class the closure that undoes it. The shared steps of
+the attention implementations (register a forward + mask under a name, undo that, switch a loaded model to it) live
+here once, for ``kvspec_gqa``, ``kvspec_paged`` and ``kvspec_quant`` alike.
 """
 
 from __future__ import annotations
@@ -39,3 +41,40 @@ class AttentionPatch:
     def __repr__(self) -> str:
         state = "active" if self.active else "removed"
         return f"AttentionPatch({self.name!r}, {state}{', ' + self.details if self.details else ''})"
+
+
+def register_attention(name: str, forward: Callable, mask: Callable, saved: dict) -> None:
+    """Register ``forward`` with ``AttentionInterface`` and ``mask`` with ``AttentionMaskInterface`` under ``name``.
+
+    The mask entry matters: for an unknown name transformers builds no mask and hands the function
+    ``attention_mask=None``, silently ignoring padding. What held ``name`` before the first call is kept in
+    ``saved`` for ``unregister_attention``. Idempotent.
+    """
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    from hf_kvspec import _compat
+
+    saved.setdefault(name, _compat.attention_entries(name))
+    AttentionInterface.register(name, forward)
+    AttentionMaskInterface.register(name, mask)
+
+
+def unregister_attention(name: str, saved: dict) -> None:
+    """Undo ``register_attention``, restoring whatever held ``name`` before. Safe to repeat."""
+    from hf_kvspec import _compat
+
+    if name in saved:
+        _compat.restore_attention_entries(name, *saved.pop(name))
+
+
+def switch_attention(model, name: str) -> AttentionPatch:
+    """Switch a loaded model to the registered implementation ``name``; ``.remove()`` switches back."""
+    from hf_kvspec import _compat
+
+    previous = _compat.attn_implementation(model.config)
+    model.set_attn_implementation(name)
+    if _compat.attn_implementation(model.config) != name:
+        raise ValueError(f"{type(model).__name__} cannot switch attention implementation after loading; load it "
+                         f"with attn_implementation={name!r} after hf_kvspec.register().")
+    return AttentionPatch(name, lambda: model.set_attn_implementation(previous), f"previous={previous!r}")

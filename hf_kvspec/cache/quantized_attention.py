@@ -154,35 +154,24 @@ _previous: dict[str, tuple[object | None, object | None]] = {}  # entries under 
 def register_quantized_attention() -> None:
     """Register ``kvspec_quant`` with ``AttentionInterface`` and SDPA's mask with ``AttentionMaskInterface``
     (without a mask entry transformers would hand the function ``attention_mask=None``). Idempotent."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    from transformers.masking_utils import sdpa_mask
 
-    from hf_kvspec import _compat
+    from hf_kvspec.attention.patch import register_attention
 
-    if ATTN_NAME not in _previous:
-        _previous[ATTN_NAME] = _compat.attention_entries(ATTN_NAME)
-    AttentionInterface.register(ATTN_NAME, quantized_attention_forward)
-    AttentionMaskInterface.register(ATTN_NAME, sdpa_mask)
+    register_attention(ATTN_NAME, quantized_attention_forward, sdpa_mask, _previous)
 
 
 def unregister_quantized_attention() -> None:
     """Undo ``register_quantized_attention``, restoring whatever held the name before. Safe to repeat."""
-    from hf_kvspec import _compat
+    from hf_kvspec.attention.patch import unregister_attention
 
-    if ATTN_NAME in _previous:
-        _compat.restore_attention_entries(ATTN_NAME, *_previous.pop(ATTN_NAME))
+    unregister_attention(ATTN_NAME, _previous)
 
 
 def enable_quantized_attention(model):
     """Switch a loaded model to ``kvspec_quant`` attention; returns an ``AttentionPatch`` (``.remove()`` or
     ``with``) that switches back. With any cache other than ``QuantizedKVCache`` it behaves as SDPA."""
-    from hf_kvspec import _compat
-    from hf_kvspec.attention.patch import AttentionPatch
+    from hf_kvspec.attention.patch import switch_attention
 
     register_quantized_attention()
-    previous = _compat.attn_implementation(model.config)
-    model.set_attn_implementation(ATTN_NAME)
-    if _compat.attn_implementation(model.config) != ATTN_NAME:
-        raise ValueError(f"{type(model).__name__} cannot switch attention implementation after loading; load it "
-                         f"with attn_implementation={ATTN_NAME!r} after hf_kvspec.register().")
-    return AttentionPatch(ATTN_NAME, lambda: model.set_attn_implementation(previous), f"previous={previous!r}")
+    return switch_attention(model, ATTN_NAME)
