@@ -324,7 +324,7 @@ def train(m, d, t, accelerator, objective, dataset, target, record: RunRecord) -
                 os.kill(os.getpid(), signal.SIGKILL)  # testing aid: die like a killed job, no cleanup
             if completed >= t.max_steps or _out_of_time(t, record):
                 break
-        if _out_of_time(t, record):
+        if completed < t.max_steps and _out_of_time(t, record):
             accelerator.print(f"--max_train_seconds {t.max_train_seconds} reached: stopping at step {completed} of "
                               f"{t.max_steps}")
             record.stopped_at_step = completed
@@ -377,11 +377,16 @@ def held_out(d: DataArguments, head, target, tokenizer, cache_root: Path) -> dic
     """Per-head top-1 and chain tau on the target's greedy answers to ``--eval_prompts``."""
     if not d.eval_prompts:
         return None
-    prompts = data_lib.read_prompts(d.eval_prompts, d.prompt_column)
-    convs = self_distill(target, tokenizer, prompts, cache_root / "self_distill.jsonl",
-                         base_model_fingerprint(target), distill_settings(d))
+    convs = held_out_conversations(d, target, tokenizer, cache_root)
     result = evaluate_head(head, target, convs).as_dict()
-    return {**result, "prompts": len(prompts), "source": d.eval_prompts}
+    return {**result, "prompts": len(convs), "source": d.eval_prompts}
+
+
+def held_out_conversations(d: DataArguments, target, tokenizer, cache_root: Path):
+    """The target's greedy answers to ``--eval_prompts`` (generated once, then read from the distillation cache)."""
+    prompts = data_lib.read_prompts(d.eval_prompts, d.prompt_column)
+    return self_distill(target, tokenizer, prompts, cache_root / "self_distill.jsonl", base_model_fingerprint(target),
+                        distill_settings(d))
 
 
 def finish(m, d, t, accelerator, objective, target, tokenizer, summary: dict, cache_root: Path) -> None:
@@ -423,8 +428,7 @@ def main(argv: list[str] | None = None) -> None:
     dataset = training_set(m, d, target, sources, cache_root, accelerator)
     if d.prepare_data_only:
         if d.eval_prompts and d.self_distill and accelerator.is_main_process:  # held-out answers cached too
-            self_distill(target, tokenizer, data_lib.read_prompts(d.eval_prompts, d.prompt_column),
-                         cache_root / "self_distill.jsonl", base_model_fingerprint(target), distill_settings(d))
+            held_out_conversations(d, target, tokenizer, cache_root)
         accelerator.print(f"data ready: {json.dumps(recipe)}")
         return
     head = build_head(m, target, recorded_name)
