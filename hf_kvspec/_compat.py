@@ -131,3 +131,9 @@ def generation_pad_token_id(generation_config) -> int:
     if pad is not None:
         return int(pad.reshape(-1)[0])
     return int(generation_config.pad_token_id or 0)
+
+
+def cache_is_user_defined(cache) -> bool:
+    """Whether ``generate`` received ``cache`` from its caller (transformers 5.24 ``_prepare_cache_for_generation``
+    marks such caches ``_is_user_defined``) rather than creating it for this call."""
+    return bool(getattr(cache, "_is_user_defined", False))

@@ -59,3 +59,7 @@ class TokenBuffer:
         self.tokens = torch.cat([self.tokens, new_tokens], dim=1)
         self.mask = torch.cat([self.mask, new_mask], dim=1)
         self.positions = torch.cat([self.positions, new_positions], dim=1)
+
+    def select_rows(self, index: torch.Tensor) -> None:
+        """Keep rows ``index`` [A] (finished rows leaving the batch; see ``rows.py``)."""
+        self.tokens, self.mask, self.positions = self.tokens[index], self.mask[index], self.positions[index]

@@ -28,6 +28,7 @@ from hf_kvspec.speculative.buffer import TokenBuffer
 from hf_kvspec.speculative.drafters.base import DraftContext, Drafter, DraftProposal, RoundOutcome
 from hf_kvspec.speculative.positions import History, PositionwiseProcessor, PositionwiseStopper
 from hf_kvspec.speculative.rollback import check_cache, prepare_for_rollback
+from hf_kvspec.speculative.rows import ActiveRows
 from hf_kvspec.speculative.stats import AcceptanceStats
 from hf_kvspec.speculative.verify import greedy_verify, is_chain, rejection_verify, sample_tokens
 
@@ -92,6 +93,9 @@ class SpeculativeDecoder:
                 "that accept fewer draft tokens keep masked slots, which would shift each row's window. Run the "
                 "rows one at a time (batch size 1).")
         self.alive = torch.ones(batch, dtype=torch.bool, device=input_ids.device)
+        self.rows = ActiveRows(batch, input_ids.device)
+        # finished rows leave the model's batch only when this call owns the cache: a caller's cache keeps its rows
+        self.compact_rows = batch > 1 and (self.cache is None or not _compat.cache_is_user_defined(self.cache))
         self.buffer = TokenBuffer(input_ids, model_kwargs.get("attention_mask"), self.pad_token_id)
         # room for every token plus one round's drafts past max_length (History grows if a caller needs more)
         capacity = (self.config.max_length or input_ids.shape[1] + 256) + _MAX_ROUND_SLACK
@@ -142,14 +146,17 @@ class SpeculativeDecoder:
 
     # ------------------------------------------------------------------------------------------ one round
     def _round(self) -> None:
-        alive = self.alive
+        alive, rows = self.alive, self.rows
         prompt_tokens = self.buffer.width - 1 - self.fed  # > 0 only in a first round that also prefills
         start = time.perf_counter()
-        proposal = self._draft()
-        _sync(proposal.tokens)
+        active_proposal = self._draft()  # [A, N]: drafter and target see the active rows only (rows.py)
+        _sync(active_proposal.tokens)
         drafted = time.perf_counter()
-        num_draft = proposal.tokens.shape[1]
-        logits, hidden = self._target_forward(proposal.tokens)  # [B, N + 1, V]
+        num_draft = active_proposal.tokens.shape[1]
+        active_logits, hidden = self._target_forward(active_proposal.tokens)  # [A, N + 1, V]
+        proposal = DraftProposal(rows.expand(active_proposal.tokens), rows.expand(active_proposal.probs),
+                                 active_proposal.parents, active_proposal.draft_forwards)  # [B, N]
+        logits = rows.expand(active_logits)  # [B, N + 1, V]: processors, verifier and stopper see every row
         scores = self.processor(self.history, proposal.tokens, logits)
         result = self._verify(proposal, scores)
         _sync(logits)
@@ -163,12 +170,26 @@ class SpeculativeDecoder:
 
         longest = int(result.num_accepted[alive].max())
         self._roll_back(num_draft - longest)
-        self.buffer.append_round(result.accepted_tokens(proposal.tokens)[:, :longest], result.num_accepted,
-                                 result.next_tokens, alive)
+        accepted = result.accepted_tokens(proposal.tokens)[:, :longest]
+        self.buffer.append_round(*map(rows.take, (accepted, result.num_accepted, result.next_tokens, alive)))
         self.fed = self.buffer.width - 1
         self.alive = alive & ~stopped
         self._telemetry(proposal, result, keep, alive, hidden, drafted - start, verified - drafted, prompt_tokens)
         self._stream()
+        self._drop_finished_rows()
+
+    def _drop_finished_rows(self) -> None:
+        """Take rows that stopped out of the model's batch (cache, buffer, drafter), when the cache is ours."""
+        if not self.compact_rows or not bool(self.alive.any()):
+            return
+        still = self.rows.take(self.alive)  # [A]
+        if bool(still.all()):
+            return
+        local = self.rows.drop(still)
+        self.buffer.select_rows(local)
+        self.cache.batch_select_indices(local)
+        self.assistant.select_rows(local)
+        self.stats.rows_dropped += int((~still).sum())
 
     def _draft(self) -> DraftProposal:
         room = self._room()
@@ -176,7 +197,9 @@ class SpeculativeDecoder:
         rows = self.buffer.tokens.shape[0]
         if num_draft == 0:
             return DraftProposal(self.buffer.tokens.new_zeros(rows, 0))
-        ctx = DraftContext(self.buffer, self.history, num_draft, self.do_sample, self.alive, self.processor)
+        rows = self.rows
+        ctx = DraftContext(self.buffer, rows.history(self.history), num_draft, self.do_sample, rows.take(self.alive),
+                           rows.processor(self.processor, self.history))
         proposal = self.assistant.propose(ctx)
         if not is_chain(proposal.parents, proposal.tokens.shape[1]):
             raise NotImplementedError("the loop verifies chains only: tree drafts need a tree attention mask and "
@@ -234,8 +257,9 @@ class SpeculativeDecoder:
         per_position = [int((accepted > j).sum()) for j in range(num_draft)]
         self.stats.record_round(num_draft, int(alive.sum()), int(keep.sum()), per_position, draft_s, verify_s,
                                 proposal.draft_forwards)
-        self.assistant.observe(RoundOutcome(self.buffer.width - 1, result.num_accepted, alive, num_draft,
-                                            draft_s, verify_s, hidden, prompt_tokens))
+        rows = self.rows
+        self.assistant.observe(RoundOutcome(self.buffer.width - 1, rows.take(result.num_accepted), rows.take(alive),
+                                            num_draft, draft_s, verify_s, hidden, prompt_tokens))
 
     def _stream(self, final: bool = False) -> None:
         """Hand the streamer every column that all live rows have completed (only final tokens)."""
@@ -261,7 +285,7 @@ class SpeculativeDecoder:
         steps = sequences.shape[1] - self.history.prompt_len
         return SpeculativeGenerateOutput(
             sequences=sequences, scores=_per_step(self.score_rows, steps), logits=_per_step(self.logit_rows, steps),
-            cache=self.cache, acceptance=self.stats)
+            cache=self.cache if not self.stats.rows_dropped else None, acceptance=self.stats)
 
 
 def _score_positions(result) -> torch.Tensor:

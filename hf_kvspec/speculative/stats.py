@@ -28,6 +28,7 @@ class AcceptanceStats:
     fallback_rounds: int = 0  # rounds that drafted nothing (plain decoding step)
     emitted_tokens: int = 0  # tokens emitted by rounds, all rows
     draft_forwards: int = 0  # forward passes of a draft model (0 for model-free drafters)
+    rows_dropped: int = 0  # finished rows taken out of the model's batch before the call ended (loop.py, rows.py)
     drafted: list[int] = field(default_factory=list)  # [j] drafts offered at position j (row count)
     accepted: list[int] = field(default_factory=list)  # [j] drafts accepted at position j
     draft_time_s: float = 0.0
@@ -84,7 +85,7 @@ class AcceptanceStats:
     def merge(self, other: AcceptanceStats) -> AcceptanceStats:
         """Add ``other``'s counters into this object (returns self)."""
         for name in ("rounds", "prefill_forwards", "row_rounds", "fallback_rounds", "emitted_tokens", "draft_forwards",
-                     "draft_time_s", "verify_time_s"):
+                     "rows_dropped", "draft_time_s", "verify_time_s"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self._extend(len(other.drafted))
         for j, (d, a) in enumerate(zip(other.drafted, other.accepted)):

@@ -105,7 +105,10 @@ def test_return_dict_scores_and_acceptance(models):
     for ours, theirs in zip(out.logits, expected.logits):
         torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
     assert isinstance(out.acceptance, hf_kvspec.AcceptanceStats)
-    assert out.acceptance is assistant.stats and out.cache is not None
+    assert out.acceptance is assistant.stats
+    # rows reach max_length in different rounds and leave the batch of the cache generate made for this call; a
+    # cache missing rows cannot continue the returned sequences, so none is returned then
+    assert out.acceptance.rows_dropped > 0 and out.cache is None
 
 
 def test_canary_enable_path_really_speculates(models):

@@ -114,5 +114,9 @@ class Drafter(abc.ABC):
         if self.auto is not None:
             self.auto.update(outcome)
 
+    def select_rows(self, index: torch.Tensor) -> None:  # noqa: B027 - optional hook, stateless drafters keep the no-op
+        """Rows ``index`` [A] stay in the batch (the others finished and left it): re-index any per-row state
+        (a draft cache: ``cache.batch_select_indices(index)``). Later contexts and outcomes have ``A`` rows."""
+
     def end(self) -> None:  # noqa: B027 - optional hook, stateless drafters keep the no-op
         """Called once when the ``generate`` call finishes: drop per-call state (caches)."""

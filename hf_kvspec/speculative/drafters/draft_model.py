@@ -92,5 +92,9 @@ class DraftModelAssistant(Drafter):
             self.cache.crop(min(outcome.kept_width - self.cached, 0))
             self.cached = min(self.cached, outcome.kept_width)
 
+    def select_rows(self, index: torch.Tensor) -> None:
+        if self.cache is not None and self.cache.get_seq_length() > 0:
+            self.cache.batch_select_indices(index)
+
     def end(self) -> None:
         self.cache = None

@@ -52,6 +52,9 @@ class NgramAssistant(Drafter):
         # left padding of each row (history starts with the padded prompt); pads must not match n-grams
         self.first_real = (buffer.mask.cumsum(dim=1) == 0).sum(dim=1).tolist()
 
+    def select_rows(self, index: torch.Tensor) -> None:
+        self.first_real = [self.first_real[i] for i in index.tolist()]
+
     def propose(self, ctx: DraftContext) -> DraftProposal:
         ids, lengths = ctx.history.ids, ctx.history.lengths.tolist()
         rows = []

@@ -1,0 +1,85 @@
+"""Which rows of a batch are still in the model's batch: finished rows leave it, the rest of the loop stays full-size.
+
+Boundary: index bookkeeping between the *full* batch (``History``, logits processors, stopping criteria, output:
+always all ``B`` rows, in the caller's order) and the *active* batch (``TokenBuffer``, the target's cache, the
+drafter's state: only the ``A`` rows still generating). No model calls.
+
+Why: ``generate`` keeps every row in every forward until the last row ends, so a row that hit EOS early still costs
+a full share of each forward (with K + 1 tokens per row per verify forward, that is K + 1 wasted tokens per round).
+When the loop owns the cache (``generate`` created it; a caller's cache is never shrunk) it drops finished rows
+from the model-facing state instead (``Cache.batch_select_indices``), as continuous-batching servers do.
+
+Logits processors and stopping criteria may keep per-row state or pass row indices to callbacks
+(``PrefixConstrainedLogitsProcessor``), so they always see the full batch: the active rows' logits and drafts are
+scattered back into full-size tensors (finished rows get zeros, and their results are discarded).
+
+Shapes: ``B`` rows of the call, ``A`` active rows, ``T`` positions, ``V`` vocabulary, ``S`` history capacity.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hf_kvspec.speculative.positions import History, PositionwiseProcessor
+
+
+class ActiveRows:
+    """The active rows ``index`` [A] (ascending indices into the full batch of ``batch`` rows)."""
+
+    def __init__(self, batch: int, device: torch.device):
+        self.batch = batch
+        self.index = torch.arange(batch, device=device)  # [A]
+
+    @property
+    def complete(self) -> bool:
+        """Whether every row of the call is still active (the full and active batches coincide)."""
+        return self.index.shape[0] == self.batch
+
+    def take(self, full: torch.Tensor) -> torch.Tensor:
+        """``[B, ...]`` -> ``[A, ...]``."""
+        return full if self.complete else full[self.index]
+
+    def expand(self, active: torch.Tensor | None) -> torch.Tensor | None:
+        """``[A, ...]`` -> ``[B, ...]``, zeros in the rows that left."""
+        if active is None or self.complete:
+            return active
+        full = active.new_zeros((self.batch, *active.shape[1:]))
+        full[self.index] = active
+        return full
+
+    def drop(self, keep: torch.Tensor) -> torch.Tensor:
+        """Keep the active rows where ``keep`` [A] is true; returns their positions [A'] among the old active rows
+        (what ``Cache.batch_select_indices`` and the drafter's ``select_rows`` take)."""
+        local = keep.nonzero().reshape(-1)
+        self.index = self.index[local]
+        return local
+
+    def history(self, history: History) -> History:
+        """A copy of ``history`` restricted to the active rows (for drafters; the loop keeps the full one)."""
+        if self.complete:
+            return history
+        view = History.__new__(History)
+        view.ids, view.lengths = history.ids[self.index], history.lengths[self.index]  # [A, S], [A]
+        view.prompt_len, view.pad_token_id = history.prompt_len, history.pad_token_id
+        return view
+
+    def processor(self, processor: PositionwiseProcessor, history: History):
+        """``processor`` for active-row tensors: same call signature, evaluated on the full batch with ``history``."""
+        if self.complete:
+            return processor
+        return _ActiveProcessor(processor, history, self)
+
+
+class _ActiveProcessor:
+    """A ``PositionwiseProcessor`` called with ``[A, ...]`` tensors; runs on all ``B`` rows, returns ``[A, T, V]``."""
+
+    def __init__(self, processor: PositionwiseProcessor, history: History, rows: ActiveRows):
+        self.inner, self.full_history, self.rows = processor, history, rows
+
+    def __bool__(self) -> bool:
+        return bool(self.inner)
+
+    def __call__(self, history, draft_tokens: torch.Tensor, logits: torch.Tensor, start: int = 0) -> torch.Tensor:
+        # ``history`` is the active view the drafter holds; the processors need the full one
+        scores = self.inner(self.full_history, self.rows.expand(draft_tokens), self.rows.expand(logits), start)
+        return self.rows.take(scores)

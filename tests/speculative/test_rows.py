@@ -1,0 +1,130 @@
+"""Finished rows leave the model's batch (rows.py) without changing any row's output."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+import hf_kvspec
+from tests.speculative.helpers import batch, drafts_for
+
+MAX_NEW = 24
+
+
+@pytest.fixture(scope="module")
+def models():
+    return drafts_for("llama")
+
+
+class _BatchSizes:
+    """Forward hook recording the batch size of every target forward."""
+
+    def __init__(self, model):
+        self.sizes = []
+        self._handle = model.register_forward_hook(lambda mod, args, kw, out: self.sizes.append(kw["input_ids"].shape[0]),
+                                                   with_kwargs=True)
+
+    def remove(self):
+        self._handle.remove()
+
+
+def _ragged_eos(target, ids, mask, **kw):
+    """An EOS id that row 0 emits early under plain greedy, and plain greedy's output with it."""
+    free = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=MAX_NEW, pad_token_id=0,
+                           eos_token_id=None, **kw)
+    eos = int(free[0, ids.shape[1] + 2])
+    expected = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=MAX_NEW, pad_token_id=0,
+                               eos_token_id=eos, **kw)
+    ended = (expected[:, ids.shape[1]:] == eos).any(dim=1)
+    assert ended[0] and not ended.all(), "the test needs rows that stop at different times"
+    return eos, expected
+
+
+def _assistants(drafts):
+    return {"draft": hf_kvspec.DraftModelAssistant(drafts["partial"], num_draft_tokens=4),
+            "ngram": hf_kvspec.NgramAssistant(max_ngram=2, num_draft_tokens=4)}
+
+
+@pytest.mark.parametrize("name", ["draft", "ngram"])
+def test_finished_rows_leave_the_batch_and_outputs_match_plain(models, name):
+    target, drafts = models
+    ids, mask = batch(4)
+    eos, expected = _ragged_eos(target, ids, mask)
+    assistant = _assistants(drafts)[name]
+    sizes = _BatchSizes(target)
+    try:
+        out = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=MAX_NEW, pad_token_id=0,
+                              eos_token_id=eos, custom_generate=hf_kvspec.speculative_generate, assistant=assistant)
+    finally:
+        sizes.remove()
+    assert torch.equal(out, expected)
+    assert assistant.stats.rows_dropped >= 1
+    assert sizes.sizes[0] == 4 and sizes.sizes[-1] < 4  # later verify forwards ran on fewer rows
+    assert sizes.sizes == sorted(sizes.sizes, reverse=True)
+    # the drafter kept each remaining row's state: the same drafts get accepted as with every row kept
+    kept = _assistants(drafts)[name]
+    target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=MAX_NEW, pad_token_id=0,
+                    eos_token_id=eos, custom_generate=hf_kvspec.speculative_generate, assistant=kept,
+                    cache=DynamicCache(config=target.config))
+    assert kept.stats.rows_dropped == 0
+    assert (assistant.stats.rounds, assistant.stats.accepted) == (kept.stats.rounds, kept.stats.accepted)
+
+
+def test_a_callers_cache_keeps_every_row(models):
+    target, drafts = models
+    ids, mask = batch(4)
+    eos, expected = _ragged_eos(target, ids, mask)
+    cache = DynamicCache(config=target.config)
+    assistant = hf_kvspec.DraftModelAssistant(drafts["partial"], num_draft_tokens=4)
+    out = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=MAX_NEW, pad_token_id=0,
+                          eos_token_id=eos, custom_generate=hf_kvspec.speculative_generate, assistant=assistant,
+                          cache=cache, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, expected)
+    assert out.acceptance.rows_dropped == 0 and out.cache is cache
+    assert cache.layers[0].keys.shape[0] == 4
+
+
+def test_row_indexed_processors_still_see_the_callers_rows(models):
+    """``prefix_allowed_tokens_fn`` gets each row's index in the call, also after rows before it left."""
+    target, drafts = models
+    ids, mask = batch(4)
+    vocab = target.config.vocab_size
+
+    def allowed(batch_id, prefix):  # each row may use a different residue class of ids (plus row 0's EOS below)
+        return [t for t in range(vocab) if t % 4 != batch_id] + [eos_holder[0]]
+
+    eos_holder = [0]
+    eos, _ = _ragged_eos(target, ids, mask, prefix_allowed_tokens_fn=allowed)
+    eos_holder[0] = eos
+    kw = dict(attention_mask=mask, do_sample=False, max_new_tokens=MAX_NEW, pad_token_id=0, eos_token_id=eos,
+              prefix_allowed_tokens_fn=allowed)
+    expected = target.generate(ids, **kw)
+    assistant = hf_kvspec.DraftModelAssistant(drafts["right"], num_draft_tokens=4)
+    out = target.generate(ids, custom_generate=hf_kvspec.speculative_generate, assistant=assistant, **kw)
+    assert torch.equal(out, expected)
+    assert assistant.stats.rows_dropped >= 1
+    # the draft's scores went through the same row-indexed processor: a copy of the target is never rejected
+    assert assistant.stats.mean_acceptance == 1.0
+    for row in range(4):  # the constraint really depended on the row
+        generated = out[row, ids.shape[1]:]
+        assert not ((generated % 4 == row) & (generated != eos) & (generated != 0)).any()
+
+
+def test_ngram_rows_left_behind_look_up_from_their_own_first_token():
+    """After ``select_rows`` a remaining row searches its history from its own first real token (its left padding
+    in the full batch differs from its index among the survivors)."""
+    from hf_kvspec.speculative.buffer import TokenBuffer
+    from hf_kvspec.speculative.drafters.base import DraftContext
+    from hf_kvspec.speculative.positions import History, PositionwiseProcessor
+    from tests.tiny_models import left_padded_batch
+
+    ids, mask = left_padded_batch([[1, 2], [5, 6, 7, 8, 5, 6], [9, 4, 9, 3, 4, 9], [7, 3]])  # pads: 4, 0, 0, 4
+    assistant = hf_kvspec.NgramAssistant(max_ngram=2, num_draft_tokens=3)
+    assistant.begin(None, TokenBuffer(ids, mask, pad_token_id=0))
+    keep = torch.tensor([1, 2])
+    assistant.select_rows(keep)
+    ctx = DraftContext(TokenBuffer(ids[keep], mask[keep], 0), History(ids[keep], 32, 0), 3, False,
+                       torch.ones(2, dtype=torch.bool), PositionwiseProcessor(None))
+    # "5 6" was followed by 7 8 5; "4 9" by 3 4 9
+    assert assistant.propose(ctx).tokens.tolist() == [[7, 8, 5], [3, 4, 9]]
