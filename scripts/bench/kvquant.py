@@ -89,8 +89,9 @@ def run(args) -> None:
                      *[f"{metric} @{ctx}" for ctx in args.contexts
                        for metric in ("ms/token", "speed vs dynamic", "speed vs quanto")],
                      "greedy agreement", "first divergence"])
-    report.notes.append("Machine shared with other jobs (2 cores, ~6 processes): timings are noisy; compare "
-                        "ratios within the run. torch threads = 1.")
+    report.notes.append("2-core CPU, torch threads = 1; caches take turns within each context, so compare ratios "
+                        "within a run (absolute times drift when other jobs share the machine). Each section's "
+                        "date is below; sections measured in different runs are merged.")
     segments = _segments(docs, args.segments, args.segment_len) if "ppl" in args.sections else []
     with torch.inference_mode():
         rows = _measure_all(model, docs, segments, args, report)
