@@ -128,3 +128,24 @@ def test_ngram_rows_left_behind_look_up_from_their_own_first_token():
                        torch.ones(2, dtype=torch.bool), PositionwiseProcessor(None))
     # "5 6" was followed by 7 8 5; "4 9" by 3 4 9
     assert assistant.propose(ctx).tokens.tolist() == [[7, 8, 5], [3, 4, 9]]
+
+
+def test_sampling_with_rows_leaving_keeps_each_row_consistent(models):
+    """Rejection sampling over the full batch with finished rows zero-filled: every row still ends at its first
+    EOS or at the length limit, and the draft's probabilities are re-indexed with the rows."""
+    target, drafts = models
+    ids, mask = batch(4)
+    eos, _ = _ragged_eos(target, ids, mask)
+    torch.manual_seed(0)
+    assistant = hf_kvspec.DraftModelAssistant(drafts["partial"], num_draft_tokens=4)
+    out = target.generate(ids, attention_mask=mask, do_sample=True, temperature=0.7, max_new_tokens=MAX_NEW,
+                          pad_token_id=0, eos_token_id=eos, custom_generate=hf_kvspec.speculative_generate,
+                          assistant=assistant)
+    generated = out[:, ids.shape[1]:]
+    assert assistant.stats.rows_dropped >= 1 and assistant.stats.mean_acceptance > 0.3
+    for row in generated:
+        hits = (row == eos).nonzero()
+        if hits.numel():  # everything after the first EOS is padding
+            assert (row[int(hits[0]) + 1:] == 0).all()
+        else:
+            assert row.shape[0] == MAX_NEW
