@@ -17,8 +17,13 @@ _QUANTIZED: dict[str, dict] = {
 }
 
 
-def make_cache(name: str, config):
-    """A fresh, empty cache called ``name`` for a model with ``config``."""
+def make_cache(name: str, config, max_tokens: int | None = None, batch_size: int = 1):
+    """A fresh, empty cache called ``name`` for a model with ``config``.
+
+    ``max_tokens`` (prompt + new tokens per row) sizes the page pool of ``"paged"`` to the request: one block
+    table of ``ceil(max_tokens / block_size)`` blocks per row plus one spare block. Without it the pool takes
+    ``PagedCache``'s default budget (a quarter of the free memory), which suits a server, not one CLI call.
+    """
     if name == "dynamic":
         from transformers import DynamicCache
 
@@ -26,7 +31,12 @@ def make_cache(name: str, config):
     if name == "paged":
         from hf_kvspec.cache.paged import PagedCache
 
-        return PagedCache(config)
+        if max_tokens is None:
+            return PagedCache(config)
+        if max_tokens < 1 or batch_size < 1:
+            raise ValueError(f"max_tokens ({max_tokens}) and batch_size ({batch_size}) must be positive.")
+        block_size = 16
+        return PagedCache(config, block_size=block_size, num_blocks=batch_size * -(-max_tokens // block_size) + 1)
     if name in _QUANTIZED:
         from hf_kvspec.cache.quantized import QuantizedKVCache
 

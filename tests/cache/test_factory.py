@@ -31,3 +31,17 @@ def test_other_caches_need_no_switch_and_unknown_names_fail():
     assert set(CACHE_CHOICES) >= {"dynamic", "paged", "kivi4", "int8"}
     with pytest.raises(ValueError, match="choose one of"):
         enable_cache_attention("int3", model)
+
+
+def test_paged_pool_sized_to_the_request():
+    model = tiny_model("llama", seed=0)
+    ids = torch.tensor([[1, 5, 9, 3, 7]])
+    cache = make_cache("paged", model.config, max_tokens=ids.shape[1] + 27)
+    assert cache.pool.num_blocks == 2 + 1  # ceil(32 / 16) blocks for the row plus one spare
+    out = model.generate(ids, cache=cache, max_new_tokens=27, min_new_tokens=27, do_sample=False)
+    expected = model.generate(ids, cache=make_cache("dynamic", model.config), max_new_tokens=27, min_new_tokens=27,
+                              do_sample=False)
+    assert torch.equal(out, expected)
+    assert make_cache("paged", model.config, max_tokens=40, batch_size=3).pool.num_blocks == 3 * 3 + 1
+    with pytest.raises(ValueError, match="must be positive"):
+        make_cache("paged", model.config, max_tokens=0)
