@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass
 
 import torch
+from transformers import DynamicCache
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from hf_kvspec import _compat
@@ -94,8 +95,7 @@ class SpeculativeDecoder:
                 "rows one at a time (batch size 1).")
         self.alive = torch.ones(batch, dtype=torch.bool, device=input_ids.device)
         self.rows = ActiveRows(batch, input_ids.device)
-        # finished rows leave the model's batch only when this call owns the cache: a caller's cache keeps its rows
-        self.compact_rows = batch > 1 and (self.cache is None or not _compat.cache_is_user_defined(self.cache))
+        self.compact_rows = batch > 1 and _may_drop_rows(self.cache, self.assistant)
         self.buffer = TokenBuffer(input_ids, model_kwargs.get("attention_mask"), self.pad_token_id)
         # room for every token plus one round's drafts past max_length (History grows if a caller needs more)
         capacity = (self.config.max_length or input_ids.shape[1] + 256) + _MAX_ROUND_SLACK
@@ -187,16 +187,15 @@ class SpeculativeDecoder:
             return
         local = self.rows.drop(still)
         self.buffer.select_rows(local)
-        self.cache.batch_select_indices(local)
-        self.assistant.select_rows(local)
+        self.cache.batch_select_indices(local.cpu())  # a CPU index selects on any device (offloaded, split)
+        self.assistant.select_rows(local.cpu())
         self.stats.rows_dropped += int((~still).sum())
 
     def _draft(self) -> DraftProposal:
         room = self._room()
         num_draft = max(0, min(self.assistant.draft_length(), room - 1))
-        rows = self.buffer.tokens.shape[0]
         if num_draft == 0:
-            return DraftProposal(self.buffer.tokens.new_zeros(rows, 0))
+            return DraftProposal(self.buffer.tokens.new_zeros(self.buffer.tokens.shape[0], 0))
         rows = self.rows
         ctx = DraftContext(self.buffer, rows.history(self.history), num_draft, self.do_sample, rows.take(self.alive),
                            rows.processor(self.processor, self.history))
@@ -285,13 +284,13 @@ class SpeculativeDecoder:
         steps = sequences.shape[1] - self.history.prompt_len
         return SpeculativeGenerateOutput(
             sequences=sequences, scores=_per_step(self.score_rows, steps), logits=_per_step(self.logit_rows, steps),
-            cache=self.cache if not self.stats.rows_dropped else None, acceptance=self.stats)
+            cache=None if self.compact_rows else self.cache, acceptance=self.stats)
 
 
 def _score_positions(result) -> torch.Tensor:
     # emitted token j of a chain was scored at position j (the root for j = 0, then after node j - 1)
-    nodes = result.accepted_nodes
-    return torch.cat([torch.zeros_like(nodes[:, :1]), torch.where(nodes >= 0, nodes + 1, 0)], dim=1)
+    nodes = result.accepted_nodes  # [B, N]; N = 0 in a round that drafted nothing (still one emitted token)
+    return torch.cat([nodes.new_zeros(nodes.shape[0], 1), torch.where(nodes >= 0, nodes + 1, 0)], dim=1)
 
 
 def _per_step(rows: list[list[torch.Tensor]] | None, steps: int):
@@ -304,6 +303,19 @@ def _per_step(rows: list[list[torch.Tensor]] | None, steps: int):
     for row, values in enumerate(stacked):
         out[row, : values.shape[0]] = values
     return tuple(out.unbind(1))
+
+
+def _may_drop_rows(cache, assistant: Drafter) -> bool:
+    """Finished rows may leave the batch (``rows.py``) only from a plain ``DynamicCache`` that ``generate`` made for
+    this call (a caller's cache keeps its rows; ``generate`` keeps static caches on the model for later calls;
+    offloading layers prefetch across calls' layers) and with a drafter that re-indexes its own state."""
+    if not assistant.can_drop_rows:
+        return False
+    if cache is None:  # the first forward creates a DynamicCache
+        return True
+    return (type(cache) is DynamicCache and not getattr(cache, "offloading", False)
+            and not _compat.cache_is_user_defined(cache)
+            and all(callable(getattr(layer, "batch_select_indices", None)) for layer in cache.layers))
 
 
 def _sync(tensor: torch.Tensor) -> None:

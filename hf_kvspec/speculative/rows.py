@@ -65,7 +65,7 @@ class ActiveRows:
 
     def processor(self, processor: PositionwiseProcessor, history: History):
         """``processor`` for active-row tensors: same call signature, evaluated on the full batch with ``history``."""
-        if self.complete:
+        if self.complete or not processor:  # no processor reads the history: the active rows alone will do
             return processor
         return _ActiveProcessor(processor, history, self)
 

@@ -149,3 +149,53 @@ def test_sampling_with_rows_leaving_keeps_each_row_consistent(models):
             assert (row[int(hits[0]) + 1:] == 0).all()
         else:
             assert row.shape[0] == MAX_NEW
+
+
+def test_caches_that_cannot_drop_rows_keep_them(models):
+    """``generate``'s static cache stays on the model for later calls and cannot select rows: never shrunk."""
+    target, _ = models
+    ids, mask = batch(4)
+    eos, expected = _ragged_eos(target, ids, mask)
+    assistant = hf_kvspec.NgramAssistant(max_ngram=2, num_draft_tokens=4)
+    out = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=MAX_NEW, pad_token_id=0,
+                          eos_token_id=eos, custom_generate=hf_kvspec.speculative_generate, assistant=assistant,
+                          cache_implementation="static", max_cache_len=64)
+    assert torch.equal(out, expected)
+    assert assistant.stats.rows_dropped == 0
+
+
+def test_drafters_without_row_selection_keep_every_row(models):
+    """A drafter that does not declare ``can_drop_rows`` may keep per-row state the loop cannot re-index."""
+    target, _ = models
+    ids, mask = batch(4)
+    eos, expected = _ragged_eos(target, ids, mask)
+
+    class RowStateNgram(hf_kvspec.NgramAssistant):
+        can_drop_rows = False
+
+    assistant = RowStateNgram(max_ngram=2, num_draft_tokens=4)
+    sizes = _BatchSizes(target)
+    try:
+        out = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=MAX_NEW, pad_token_id=0,
+                              eos_token_id=eos, custom_generate=hf_kvspec.speculative_generate, assistant=assistant)
+    finally:
+        sizes.remove()
+    assert torch.equal(out, expected)
+    assert assistant.stats.rows_dropped == 0 and set(sizes.sizes) == {4}
+
+
+@pytest.mark.parametrize("bs", [1, 4])
+def test_scores_of_rounds_that_drafted_nothing(models, bs):
+    """n-gram rounds without a match verify no draft but still emit a token: its score is recorded in its step."""
+    target, _ = models
+    ids, mask = batch(bs)
+    kw = dict(attention_mask=mask, do_sample=False, max_new_tokens=8, pad_token_id=0, eos_token_id=None,
+              return_dict_in_generate=True, output_scores=True, output_logits=True)
+    expected = target.generate(ids, **kw)
+    assistant = hf_kvspec.NgramAssistant(max_ngram=2, num_draft_tokens=3)
+    out = target.generate(ids, custom_generate=hf_kvspec.speculative_generate, assistant=assistant, **kw)
+    assert torch.equal(out.sequences, expected.sequences)
+    assert 0 in assistant.stats.draft_lengths  # the case under test happened
+    assert len(out.scores) == len(expected.scores) == 8
+    for ours, theirs in zip(out.scores + out.logits, expected.scores + expected.logits):
+        torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)

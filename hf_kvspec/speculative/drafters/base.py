@@ -14,6 +14,8 @@ One round, seen from a drafter:
     2. The loop verifies and calls ``observe(outcome)``: how many columns of ``ctx.tokens`` survive (the
        drafter crops its own state to that), per-row accepted counts, and, when the drafter set
        ``wants_hidden_states``, the target's last hidden states of the round (for feature-level drafters).
+    3. When rows of the batch have finished and the drafter set ``can_drop_rows``, ``select_rows(index)`` says
+       which rows remain; later contexts and outcomes hold only those rows (see ``rows.py``).
 
 Shapes: ``B`` rows, ``W`` buffer width, ``N`` draft tokens (nodes), ``V`` vocabulary, ``H`` hidden size.
 """
@@ -84,6 +86,9 @@ class Drafter(abc.ABC):
 
     #: the loop asks the target for hidden states and passes them in ``DraftContext``/``RoundOutcome``
     wants_hidden_states: bool = False
+    #: ``select_rows`` re-indexes every per-row state, so finished rows may leave the batch (``rows.py``);
+    #: a drafter that keeps per-row state and does not implement it must leave this False
+    can_drop_rows: bool = False
 
     def __init__(self, num_draft_tokens: int | str = 4, max_draft_tokens: int = 16):
         if num_draft_tokens != "auto" and (not isinstance(num_draft_tokens, int) or num_draft_tokens < 0):
@@ -115,8 +120,9 @@ class Drafter(abc.ABC):
             self.auto.update(outcome)
 
     def select_rows(self, index: torch.Tensor) -> None:  # noqa: B027 - optional hook, stateless drafters keep the no-op
-        """Rows ``index`` [A] stay in the batch (the others finished and left it): re-index any per-row state
-        (a draft cache: ``cache.batch_select_indices(index)``). Later contexts and outcomes have ``A`` rows."""
+        """Rows ``index`` [A] (a CPU tensor) stay in the batch, the others finished and left it: re-index any per-row
+        state (a draft cache: ``cache.batch_select_indices(index)``). Later contexts and outcomes have ``A`` rows.
+        Called only when ``can_drop_rows`` is True."""
 
     def end(self) -> None:  # noqa: B027 - optional hook, stateless drafters keep the no-op
         """Called once when the ``generate`` call finishes: drop per-call state (caches)."""

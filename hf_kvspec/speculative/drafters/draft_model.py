@@ -30,6 +30,8 @@ class DraftModelAssistant(Drafter):
     as point masses (still exact; usually lower acceptance than rejection sampling against sampled drafts).
     """
 
+    can_drop_rows = True
+
     def __init__(self, draft_model, num_draft_tokens: int | str = 4, max_draft_tokens: int = 16,
                  sample_drafts: bool = True):
         super().__init__(num_draft_tokens, max_draft_tokens)
