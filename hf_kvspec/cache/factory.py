@@ -29,14 +29,13 @@ def make_cache(name: str, config, max_tokens: int | None = None, batch_size: int
 
         return DynamicCache(config=config)
     if name == "paged":
-        from hf_kvspec.cache.paged import PagedCache
+        from hf_kvspec.cache.paged import DEFAULT_BLOCK_SIZE, PagedCache
 
         if max_tokens is None:
             return PagedCache(config)
         if max_tokens < 1 or batch_size < 1:
             raise ValueError(f"max_tokens ({max_tokens}) and batch_size ({batch_size}) must be positive.")
-        block_size = 16
-        return PagedCache(config, block_size=block_size, num_blocks=batch_size * -(-max_tokens // block_size) + 1)
+        return PagedCache(config, num_blocks=batch_size * -(-max_tokens // DEFAULT_BLOCK_SIZE) + 1)
     if name in _QUANTIZED:
         from hf_kvspec.cache.quantized import QuantizedKVCache
 

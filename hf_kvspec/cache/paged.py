@@ -46,6 +46,7 @@ from .block_pool import BlockPool
 from .block_table import BlockTables
 
 _SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
+DEFAULT_BLOCK_SIZE = 16  # tokens per page
 _DEFAULT_BUDGET_FRACTION = 0.25  # of free device memory, when neither num_blocks nor memory_budget is given
 
 
@@ -124,7 +125,7 @@ class PagedCache(Cache):
     def __init__(
         self,
         config,
-        block_size: int = 16,
+        block_size: int = DEFAULT_BLOCK_SIZE,
         num_blocks: int | None = None,
         enable_prefix_caching: bool = False,
         cache_salt: str | None = None,

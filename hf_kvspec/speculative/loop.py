@@ -187,8 +187,9 @@ class SpeculativeDecoder:
             return
         local = self.rows.drop(still)
         self.buffer.select_rows(local)
-        self.cache.batch_select_indices(local.cpu())  # a CPU index selects on any device (offloaded, split)
-        self.assistant.select_rows(local.cpu())
+        local = local.cpu()  # a CPU index selects on any device (offloaded or split caches)
+        self.cache.batch_select_indices(local)
+        self.assistant.select_rows(local)
         self.stats.rows_dropped += int((~still).sum())
 
     def _draft(self) -> DraftProposal:

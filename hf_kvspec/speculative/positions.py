@@ -66,6 +66,13 @@ class History:
         self.ids.scatter_(1, cols, torch.where(keep, tokens, self.ids.gather(1, cols)))
         self.lengths += counts
 
+    def select_rows(self, index: torch.Tensor) -> History:
+        """A new ``History`` holding rows ``index`` [A] of this one (copies; this one is unchanged)."""
+        out = History.__new__(History)
+        out.ids, out.lengths = self.ids[index], self.lengths[index]  # [A, S], [A]
+        out.prompt_len, out.pad_token_id = self.prompt_len, self.pad_token_id
+        return out
+
     def sequences(self) -> torch.Tensor:
         """``[B, max_len]`` the output of ``generate``: rows that stopped early are padded on the right."""
         return self.ids[:, : int(self.lengths.max())]

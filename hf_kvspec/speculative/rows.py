@@ -56,12 +56,7 @@ class ActiveRows:
 
     def history(self, history: History) -> History:
         """A copy of ``history`` restricted to the active rows (for drafters; the loop keeps the full one)."""
-        if self.complete:
-            return history
-        view = History.__new__(History)
-        view.ids, view.lengths = history.ids[self.index], history.lengths[self.index]  # [A, S], [A]
-        view.prompt_len, view.pad_token_id = history.prompt_len, history.pad_token_id
-        return view
+        return history if self.complete else history.select_rows(self.index)
 
     def processor(self, processor: PositionwiseProcessor, history: History):
         """``processor`` for active-row tensors: same call signature, evaluated on the full batch with ``history``."""

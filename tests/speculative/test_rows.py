@@ -29,6 +29,17 @@ class _BatchSizes:
         self._handle.remove()
 
 
+def _speculative_batch_sizes(target, ids, mask, eos, assistant):
+    """Greedy speculative output and the batch size of every target forward."""
+    sizes = _BatchSizes(target)
+    try:
+        out = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=MAX_NEW, pad_token_id=0,
+                              eos_token_id=eos, custom_generate=hf_kvspec.speculative_generate, assistant=assistant)
+    finally:
+        sizes.remove()
+    return out, sizes.sizes
+
+
 def _ragged_eos(target, ids, mask, **kw):
     """An EOS id that row 0 emits early under plain greedy, and plain greedy's output with it."""
     free = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=MAX_NEW, pad_token_id=0,
@@ -52,16 +63,11 @@ def test_finished_rows_leave_the_batch_and_outputs_match_plain(models, name):
     ids, mask = batch(4)
     eos, expected = _ragged_eos(target, ids, mask)
     assistant = _assistants(drafts)[name]
-    sizes = _BatchSizes(target)
-    try:
-        out = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=MAX_NEW, pad_token_id=0,
-                              eos_token_id=eos, custom_generate=hf_kvspec.speculative_generate, assistant=assistant)
-    finally:
-        sizes.remove()
+    out, sizes = _speculative_batch_sizes(target, ids, mask, eos, assistant)
     assert torch.equal(out, expected)
     assert assistant.stats.rows_dropped >= 1
-    assert sizes.sizes[0] == 4 and sizes.sizes[-1] < 4  # later verify forwards ran on fewer rows
-    assert sizes.sizes == sorted(sizes.sizes, reverse=True)
+    assert sizes[0] == 4 and sizes[-1] < 4  # later verify forwards ran on fewer rows
+    assert sizes == sorted(sizes, reverse=True)
     # the drafter kept each remaining row's state: the same drafts get accepted as with every row kept
     kept = _assistants(drafts)[name]
     target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=MAX_NEW, pad_token_id=0,
@@ -174,14 +180,9 @@ def test_drafters_without_row_selection_keep_every_row(models):
         can_drop_rows = False
 
     assistant = RowStateNgram(max_ngram=2, num_draft_tokens=4)
-    sizes = _BatchSizes(target)
-    try:
-        out = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=MAX_NEW, pad_token_id=0,
-                              eos_token_id=eos, custom_generate=hf_kvspec.speculative_generate, assistant=assistant)
-    finally:
-        sizes.remove()
+    out, sizes = _speculative_batch_sizes(target, ids, mask, eos, assistant)
     assert torch.equal(out, expected)
-    assert assistant.stats.rows_dropped == 0 and set(sizes.sizes) == {4}
+    assert assistant.stats.rows_dropped == 0 and set(sizes) == {4}
 
 
 @pytest.mark.parametrize("bs", [1, 4])
