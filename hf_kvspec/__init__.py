@@ -38,6 +38,10 @@ _EXPORTS: dict[str, str] = {
     "enable_mla_absorb": "hf_kvspec.attention.mla",
     "AttentionPatch": "hf_kvspec.attention.patch",
     "UnsupportedMLAError": "hf_kvspec.attention.mla_weights",
+    # CPU decode kernels
+    "DecodeKernels": "hf_kvspec.kernels.linear",
+    "decode_kernels": "hf_kvspec.kernels.linear",
+    "release_decode_kernels": "hf_kvspec.kernels.linear",
     # speculative decoding
     "speculative_generate": "hf_kvspec.speculative.loop",
     "SpeculativeGenerateOutput": "hf_kvspec.speculative.loop",

@@ -17,6 +17,7 @@ Shapes: ``B`` rows, ``P`` prompt length, ``N`` draft tokens this round, ``V`` vo
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 
@@ -25,6 +26,7 @@ from transformers import DynamicCache
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from hf_kvspec import _compat
+from hf_kvspec.kernels.linear import DecodeKernels
 from hf_kvspec.speculative.buffer import TokenBuffer
 from hf_kvspec.speculative.drafters.base import DraftContext, Drafter, DraftProposal, RoundOutcome
 from hf_kvspec.speculative.positions import History, PositionwiseProcessor, PositionwiseStopper
@@ -46,12 +48,18 @@ class SpeculativeGenerateOutput(GenerateDecoderOnlyOutput):
 
 
 def speculative_generate(model, input_ids, logits_processor, stopping_criteria, generation_config,
-                         assistant: Drafter | None = None, synced_gpus: bool = False, **model_kwargs):
+                         assistant: Drafter | None = None, decode_kernels: bool = True, synced_gpus: bool = False,
+                         **model_kwargs):
     """``custom_generate`` entry point: ``model.generate(..., custom_generate=speculative_generate, assistant=A)``.
 
     ``generate`` has already built the processors, stopping criteria, attention mask and cache; this function
     replaces only its decoding loop. Returns what ``generate`` returns (a ``SpeculativeGenerateOutput`` with
     ``.acceptance`` when ``return_dict_in_generate=True``).
+
+    ``decode_kernels`` (default True): on CPU, fp32 linear layers of the target and of the drafter's models run
+    few-row calls (verify forwards, draft forwards) through the fastest measured kernel
+    (``hf_kvspec.kernels.linear``; same math, different summation order, extra memory for weight copies).
+    False keeps torch's stock kernels.
     """
     if assistant is None:
         raise ValueError("speculative_generate needs an assistant: generate(..., custom_generate="
@@ -61,7 +69,9 @@ def speculative_generate(model, input_ids, logits_processor, stopping_criteria, 
         raise NotImplementedError("speculative_generate does not support synced_gpus (DeepSpeed ZeRO-3 / FSDP).")
     decoder = SpeculativeDecoder(model, assistant, logits_processor, stopping_criteria, generation_config,
                                  streamer=_compat.generate_call_streamer())
-    return decoder.run(input_ids, model_kwargs)
+    kernels = DecodeKernels(model, *assistant.kernel_modules()) if decode_kernels else contextlib.nullcontext()
+    with kernels:
+        return decoder.run(input_ids, model_kwargs)
 
 
 class SpeculativeDecoder:

@@ -17,6 +17,12 @@ plus ours/draft-auto (same draft, K chosen per round; may fall back to plain dec
 summarization prompts ours/ngram (K fixed, and ours/ngram-auto) vs plain generate (transformers' assisted
 decoding is bs=1 only).
 
+Ours runs its forwards with the decode kernels by default (``hf_kvspec/kernels/linear.py``: few-row fp32 CPU
+linear calls through the fastest of three measured kernels). To show what that contributes, opt-in variants:
+    ours/draft-stock, ours/ngram-stock           ours with decode_kernels=False (torch's stock kernels)
+    hf/draft+kernels, hf/ngram+kernels,          transformers' loop / plain generate inside
+    plain+kernels                                ``hf_kvspec.DecodeKernels(target, draft)``
+
 Stand-in drafts (no trained drafter exists offline; REFERENCE.md §8):
     int8          the target with every nn.Linear dynamically quantized to int8 (per-channel weights,
                   torch.ao quantize_dynamic): same tokenizer, useful agreement, ~0.8x the target's step cost
@@ -33,14 +39,13 @@ the forwards: Python, logits processing, cache crops, verification).
 from __future__ import annotations
 
 import copy
-import json
-import statistics
 import time
 import warnings
 
 import torch
 
-from bench.harness import RESULTS_DIR, Report, save_plot
+from bench.harness import Report
+from bench.spec_report import COLUMNS, COMMON_NOTES, KERNEL_VARIANTS, METHODS, TITLE, add_rows, combine, headlines
 
 _TEXT_A = (
     "The city council met on Tuesday to discuss the new bicycle lanes planned for the river district. Supporters "
@@ -74,11 +79,6 @@ PROMPTS = {
 BATCH_SUMMARIES = [f"Summarize the following text in two sentences, reusing its wording.\n\n{text}"
                    for text in (_TEXT_A, _TEXT_B, _TEXT_C, _TEXT_D)]
 MODES = {"greedy": {"do_sample": False}, "t=0.7": {"do_sample": True, "temperature": 0.7}}
-METHODS = ("plain", "ours/draft", "hf/draft", "ours/draft-auto", "ours/ngram", "hf/ngram")
-COLUMNS = ["batch", "mode", "draft", "prompt", "method", "new_tokens", "seconds", "tokens_per_s", "tau",
-           "draft_fwd_per_target_fwd", "loop_ms_per_target_fwd", "speed_vs_plain", "speed_vs_hf_same_drafter",
-           "equals_plain"]
-TITLE = "Speculative decoding on SmolLM2-135M (CPU): tau and speed vs plain and vs transformers"
 
 
 def add_arguments(parser) -> None:
@@ -91,7 +91,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--ngram-k", type=int, default=4, help="K for n-gram drafting (ours and prompt lookup)")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per cell, interleaved (median)")
     parser.add_argument("--modes", default="greedy,t=0.7", help="comma list of bs=1 modes (empty: none)")
-    parser.add_argument("--methods", default=",".join(METHODS), help="comma list of bs=1 methods")
+    parser.add_argument("--methods", default=",".join(METHODS),
+                        help="comma list of bs=1 methods; also " + ",".join(KERNEL_VARIANTS))
     parser.add_argument("--skip-batch", action="store_true", help="skip the bs=4 comparison")
     parser.add_argument("--batch-methods", default="plain,ours/ngram,ours/ngram-auto", help="comma list at bs=4")
     parser.add_argument("--part", default="", help="write spec.PART.{json,md} (merge them with --combine)")
@@ -174,6 +175,11 @@ def _call(method, model, draft, inputs, sampling, args):
     """One generate call; returns the sequences."""
     import hf_kvspec
 
+    if method.endswith("+kernels"):  # another loop, with the decode kernels ours uses by default
+        with hf_kvspec.DecodeKernels(model, draft):
+            return _call(method.removesuffix("+kernels"), model, draft, inputs, sampling, args)
+    kernels = not method.endswith("-stock")
+    method = method.removesuffix("-stock")
     common = dict(**inputs, max_new_tokens=args.new_tokens, **sampling)
     if method == "plain":
         return model.generate(**common)
@@ -187,7 +193,8 @@ def _call(method, model, draft, inputs, sampling, args):
     else:
         k = "auto" if method.endswith("-auto") else args.ngram_k
         assistant = hf_kvspec.NgramAssistant(max_ngram=3, num_draft_tokens=k)
-    return model.generate(**common, custom_generate=hf_kvspec.speculative_generate, assistant=assistant)
+    return model.generate(**common, custom_generate=hf_kvspec.speculative_generate, assistant=assistant,
+                          decode_kernels=kernels)
 
 
 def _new_tokens(sequences: torch.Tensor, prompt_len: int, eos_id: int) -> int:
@@ -247,21 +254,21 @@ def run(args) -> None:
                                                            "assistant_confidence_threshold=0"})
     with torch.inference_mode():  # warm up every path once
         warm = _chat_inputs(tokenizer, ["Hi"])
-        for method in METHODS:
+        for method in (*METHODS, *KERNEL_VARIANTS):  # also times the decode kernels' choices once
             _call(method, model, draft, warm, {"do_sample": False}, args)
     continuations = []
     for mode in modes:
         for prompt, text in PROMPTS.items():
             inputs = _chat_inputs(tokenizer, [text])
             results = _measure_cell(methods, model, draft, inputs, MODES[mode], args, timers, eos_id)
-            _add_rows(report, 1, mode, args.draft, prompt, results)
+            add_rows(report, 1, mode, args.draft, prompt, results)
             if mode == "greedy" and "plain" in results:
                 continuations.append((results["plain"]["sequences"], inputs["input_ids"].shape[1]))
     if not args.skip_batch:
         inputs = _chat_inputs(tokenizer, BATCH_SUMMARIES)
         results = _measure_cell(args.batch_methods.split(","), model, draft, inputs, {"do_sample": False}, args,
                                 timers, eos_id)
-        _add_rows(report, 4, "greedy", "-", "summarize x4", results)
+        add_rows(report, 4, "greedy", "-", "summarize x4", results)
     if not continuations:  # agreement on the target's greedy answers to the prompts
         with torch.inference_mode():
             for text in PROMPTS.values():
@@ -273,7 +280,7 @@ def run(args) -> None:
         timer.remove()
     report.notes.append(f"Draft `{args.draft}`: {description}; teacher-forced top-1 agreement with the target on "
                         f"its greedy answers to the prompts: {agreement:.1%}.")
-    report.notes += _headlines(report.rows) + _COMMON_NOTES
+    report.notes += headlines(report.rows) + COMMON_NOTES
     report.write()
 
 
@@ -301,102 +308,8 @@ def _run_tiny(args) -> None:
         ids = torch.randint(3, 256, (1, 16), generator=torch.Generator().manual_seed(seed))
         inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "pad_token_id": 0}
         results = _measure_cell(methods, model, draft, inputs, {"do_sample": False}, args, timers, eos_id=-1)
-        _add_rows(report, 1, "greedy", "tiny-copy", f"random-{seed}", results)
+        add_rows(report, 1, "greedy", "tiny-copy", f"random-{seed}", results)
     report.notes.append("Draft `tiny-copy`: the tiny target's own weights (agreement 100%); target and draft "
                         "forwards take about a millisecond, so this isolates the loops' own costs.")
-    report.notes += _headlines(report.rows) + _COMMON_NOTES
+    report.notes += headlines(report.rows) + COMMON_NOTES
     report.write()
-
-
-def _add_rows(report, batch, mode, draft, prompt, results) -> None:
-    plain = results.get("plain")
-    for method, res in results.items():
-        rate = res["tokens"] / res["seconds"]
-        rival = results.get(method.replace("ours/", "hf/").removesuffix("-auto")) if method.startswith("ours/") else None
-        forwards = max(res["target_fwd"], 1)
-        report.add(batch=batch, mode=mode, draft=draft if "draft" in method else "-", prompt=prompt, method=method,
-                   new_tokens=res["tokens"], seconds=round(res["seconds"], 2), tokens_per_s=round(rate, 2),
-                   tau=round(res["tokens"] / batch / forwards, 2),
-                   draft_fwd_per_target_fwd=round(res["draft_fwd"] / forwards, 2),
-                   loop_ms_per_target_fwd=round(1000 * res["loop_s"] / forwards, 1),
-                   speed_vs_plain=round(rate / (plain["tokens"] / plain["seconds"]), 2) if plain else "",
-                   speed_vs_hf_same_drafter=(round(rate / (rival["tokens"] / rival["seconds"]), 2) if rival else ""),
-                   equals_plain=(torch.equal(res["sequences"], plain["sequences"])
-                                 if plain and mode == "greedy" else ""))
-
-
-def _geo(values: list[float]) -> float:
-    return float(torch.tensor(values, dtype=torch.float64).log().mean().exp())
-
-
-def _headlines(rows: list[dict]) -> list[str]:
-    """Geometric means over prompts of one run's bs=1 ratios per mode, plus its bs=4 ratio."""
-    notes = []
-    rate = {(r["mode"], r["prompt"], r["method"]): r["tokens_per_s"] for r in rows if r["batch"] == 1}
-    names = list(dict.fromkeys(r["prompt"] for r in rows if r["batch"] == 1))
-    draft = next((r["draft"] for r in rows if r["draft"] != "-"), "-")
-    for mode in dict.fromkeys(r["mode"] for r in rows if r["batch"] == 1):
-        for ours, theirs in (("ours/draft", "hf/draft"), ("ours/draft-auto", "hf/draft"), ("ours/ngram", "hf/ngram")):
-            prompts = [p for p in names if (mode, p, ours) in rate and (mode, p, theirs) in rate]
-            if not prompts:
-                continue
-            vs = _geo([rate[(mode, p, ours)] / rate[(mode, p, theirs)] for p in prompts])
-            plain = [rate[(mode, p, ours)] / rate[(mode, p, "plain")] for p in prompts if (mode, p, "plain") in rate]
-            label = f"bs=1 {mode} {ours}" + (f" (draft {draft})" if "draft" in ours else "")
-            notes.append(f"{label}: {vs:.2f}x {theirs}" + (f", {_geo(plain):.2f}x plain" if plain else "")
-                         + " (geometric mean over prompts)")
-    for r in rows:
-        if r["batch"] == 4 and r["method"] != "plain":
-            notes.append(f"bs=4 greedy {r['method']} on 4 summarization prompts: {r['speed_vs_plain']}x plain bs=4 "
-                         f"generate (tau {r['tau']}; plain's tau is below 1 because rows that ended still ride along).")
-    return notes
-
-
-# ---------------------------------------------------------------------------------------------- merge
-def combine() -> None:
-    """Merge the ``spec.<part>.json`` results into ``spec.{json,md,png}`` (headlines recomputed from rows)."""
-    parts = sorted(p for p in RESULTS_DIR.glob("spec.*.json") if p.name != "spec.json")
-    if not parts:
-        raise SystemExit("no benchmarks/results/spec.<part>.json to combine; run with --part NAME first")
-    report = Report("spec", TITLE, COLUMNS, settings={})
-    for path in parts:
-        payload = json.loads(path.read_text())
-        part = path.name.removeprefix("spec.").removesuffix(".json")
-        report.rows += [row | {"part": part} for row in payload["rows"]]
-        report.notes += [f"[{part}] {note}" for note in payload["notes"] if note not in _COMMON_NOTES]
-        report.settings[part] = payload["settings"] | {"date": payload["environment"]["date"]}
-    report.columns = ["part", *COLUMNS]
-    report.notes = _COMMON_NOTES + report.notes
-    report.write()
-    save_plot("spec", lambda fig: _draw(fig, report.rows))
-
-
-_COMMON_NOTES = [
-    "tokens_per_s = real new tokens (to the first EOS) / wall seconds of the generate call, prefill included; "
-    "median of the repeats, methods interleaved (order rotated per repeat).",
-    "tau = new tokens per target forward (hook-counted, prefill included, the same count for every loop); "
-    "draft_fwd_per_target_fwd = draft forwards per target forward (K for both loops at fixed K); "
-    "loop_ms_per_target_fwd = (wall - target forwards - draft forwards) / target forwards: the loop's own cost.",
-    "transformers' assisted generation: num_assistant_tokens=K, num_assistant_tokens_schedule='constant', "
-    "assistant_confidence_threshold=0 (so its K never adapts); ours/draft-auto is compared with that fixed-K run.",
-    "equals_plain: greedy output token-identical to plain generate (sampling modes draw different tokens).",
-    "The machine (2 cores) was shared with other jobs: ratios come from the same run, absolute speeds are noisy.",
-]
-
-
-def _draw(fig, rows) -> None:
-    ax = fig.add_subplot(1, 1, 1)
-    single = [r for r in rows if r["batch"] == 1]
-    bars = list(dict.fromkeys((r["part"], r["mode"]) for r in single))
-    labels = [m for m in METHODS if any(r["method"] == m for r in single)]
-    width = 0.8 / max(len(bars), 1)
-    for offset, (part, mode) in enumerate(bars):
-        cell = [r for r in single if r["part"] == part and r["mode"] == mode]
-        draft = next((r["draft"] for r in cell if r["draft"] != "-"), None)
-        values = [statistics.mean([r["speed_vs_plain"] for r in cell if r["method"] == m] or [0]) for m in labels]
-        ax.bar([i + width * offset for i in range(len(labels))], values, width=width, label=f"{part}: {mode}" + (f", draft {draft}" if draft else ""))
-    ax.axhline(1.0, color="grey", linewidth=0.8)
-    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(labels))], labels, fontsize=8)
-    ax.set_ylabel("speed vs plain generate (mean over prompts)")
-    ax.set_title("bs=1 SmolLM2-135M on CPU: speculative vs plain vs transformers")
-    ax.legend(fontsize=7)

@@ -124,5 +124,10 @@ class Drafter(abc.ABC):
         state (a draft cache: ``cache.batch_select_indices(index)``). Later contexts and outcomes have ``A`` rows.
         Called only when ``can_drop_rows`` is True."""
 
+    def kernel_modules(self) -> tuple:
+        """Models this drafter runs whose small-row linear calls may use the loop's decode kernels
+        (``hf_kvspec.kernels.linear``); none by default."""
+        return ()
+
     def end(self) -> None:  # noqa: B027 - optional hook, stateless drafters keep the no-op
         """Called once when the ``generate`` call finishes: drop per-call state (caches)."""

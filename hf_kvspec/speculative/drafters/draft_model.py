@@ -54,6 +54,9 @@ class DraftModelAssistant(Drafter):
             raise ValueError(f"draft vocabulary ({draft_vocab}) does not match the target's ({self.target_vocab}); "
                              "DraftModelAssistant needs a draft model with the same tokenizer.")
 
+    def kernel_modules(self) -> tuple:
+        return (self.model,)
+
     def propose(self, ctx: DraftContext) -> DraftProposal:
         buffer, count = ctx.buffer, ctx.num_draft_tokens
         logits = self._forward(buffer.tokens[:, self.cached:], buffer.attention_mask(1),
