@@ -16,10 +16,13 @@ speculation. Measured on the 2-core AMD EPYC (Zen 3) this project benchmarks on,
     49152 x 576 (head)   1    8.2 ms   7.3 ms              4.2 ms
     49152 x 576 (head)   5   20.9 ms   9.4 ms             27.7 ms
 
-Which kernel wins depends on the CPU, the BLAS build, the thread count, the shape and the row count, so
-nothing is hard-coded: the first call of a shape in a row bucket times the three kernels on random data and
-keeps the fastest, provided it beats stock by ``_MARGIN`` (stock otherwise: no copy, no memory). The choice is
-then fixed for the process (``plans()`` lists it).
+Which kernel wins depends on the CPU, the BLAS build, the thread count, the shape, the row count and whether
+the weight is in cache, so nothing is hard-coded: the first real calls of a shape in a row bucket rotate through
+the kernels (every call still computes the layer) and time themselves; after ``_SAMPLES`` calls per kernel the
+one with the lowest median wins if it beats stock's median by ``_MARGIN`` (stock otherwise: no copy, no memory),
+and copies no bucket chose are dropped. The choice is then fixed for the process (``plans()`` lists it). A
+model's layers share shapes (30 layers of SmolLM2 -> 30 calls per shape per forward), so this settles within
+the first forward or two.
 
 Kernels (all compute ``x @ W.T + b`` in fp32; they differ only in summation order, i.e. by rounding):
     stock       ``F.linear(x, W, b)`` - the reference path
@@ -39,6 +42,7 @@ Shapes: ``R`` rows (all leading dims flattened), ``I`` in features, ``O`` out fe
 from __future__ import annotations
 
 import functools
+import statistics
 import time
 import warnings
 import weakref
@@ -50,14 +54,36 @@ from torch import nn
 
 KERNELS = ("stock", "transposed", "onednn")
 #: row buckets (low, high, rows timed): a shape's kernel is chosen per bucket
-BUCKETS = ((1, 1, 1), (2, 4, 3), (5, 8, 6), (9, 16, 12), (17, 64, 32))
-#: a non-stock kernel must take at most this fraction of stock's time to be chosen (copies cost memory)
+BUCKETS = ((1, 1), (2, 4), (5, 8), (9, 16), (17, 64))  # (low, high) rows
+#: a non-stock kernel's median must be at most this fraction of stock's to be chosen (copies cost memory)
 _MARGIN = 0.9
-_TIMED_CALLS = 3
+_SAMPLES = 8  # timed real calls per kernel before a bucket's choice is made
 
-_PLANS: dict[tuple, dict[int, str]] = {}  # (O, I, has_bias, threads) -> {bucket index: kernel}
+_PLANS: dict[tuple, dict[int, _Trial]] = {}  # (O, I, has_bias, threads) -> {bucket index: trial}
 _COPIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # nn.Linear -> _Copies
 _INSTALLED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # nn.Linear -> open contexts using it
+
+
+@dataclass
+class _Trial:
+    """Timings of the kernels on real calls of one shape in one row bucket, until one is chosen."""
+
+    candidates: tuple[str, ...]
+    seconds: dict[str, list[float]] = field(default_factory=dict)
+    chosen: str | None = None
+
+    def next_kernel(self) -> str:
+        return min(self.candidates, key=lambda kernel: len(self.seconds.get(kernel, ())))
+
+    def record(self, kernel: str, seconds: float) -> bool:
+        """Add one timing; True when this completed the trial (``chosen`` is now set)."""
+        self.seconds.setdefault(kernel, []).append(seconds)
+        if self.chosen is not None or any(len(self.seconds.get(k, ())) < _SAMPLES for k in self.candidates):
+            return False
+        median = {kernel: statistics.median(times) for kernel, times in self.seconds.items()}
+        best = min(median, key=median.get)
+        self.chosen = best if best != "stock" and median[best] <= _MARGIN * median["stock"] else "stock"
+        return True
 
 
 @dataclass
@@ -92,7 +118,7 @@ def _make_copy(kernel: str, weight: torch.Tensor) -> torch.Tensor | None:
     if kernel == "transposed":
         return weight.t().contiguous()  # [I, O]
     if kernel == "onednn":
-        return torch.ops.mkldnn._reorder_linear_weight(weight, BUCKETS[2][2])
+        return torch.ops.mkldnn._reorder_linear_weight(weight, 8)  # batch-size hint; any row count works
     return None
 
 
@@ -108,44 +134,36 @@ def _run(kernel: str, x: torch.Tensor, copy: torch.Tensor | None, bias: torch.Te
 
 # ------------------------------------------------------------------------------------------------ planning
 def plans() -> dict[str, dict[str, str]]:
-    """The kernel chosen so far per shape and row bucket, e.g. ``{"49152x576": {"1": "transposed"}}``."""
+    """The kernel per shape and row bucket so far, e.g. ``{"49152x576@1t": {"1": "transposed", "2-4": "timing"}}``
+    (shape ``OxI``, ``+bias`` when it has one, torch threads)."""
     return {f"{out}x{inp}" + ("+bias" if bias else "") + f"@{threads}t":
-            {_bucket_name(index): kernel for index, kernel in sorted(choice.items())}
-            for (out, inp, bias, threads), choice in _PLANS.items()}
+            {_bucket_name(index): trial.chosen or "timing" for index, trial in sorted(trials.items())}
+            for (out, inp, bias, threads), trials in _PLANS.items()}
 
 
 def _bucket_name(index: int) -> str:
-    low, high, _ = BUCKETS[index]
+    low, high = BUCKETS[index]
     return str(low) if low == high else f"{low}-{high}"
 
 
 def _bucket(rows: int) -> int | None:
-    for index, (low, high, _) in enumerate(BUCKETS):
+    for index, (low, high) in enumerate(BUCKETS):
         if low <= rows <= high:
             return index
     return None
 
 
-def _time(kernel: str, x: torch.Tensor, copy, bias, weight) -> float:
-    _run(kernel, x, copy, bias, weight)  # warm-up
-    best = float("inf")
-    for _ in range(_TIMED_CALLS):
-        start = time.perf_counter()
-        _run(kernel, x, copy, bias, weight)
-        best = min(best, time.perf_counter() - start)
-    return best
+def _shape_key(module: nn.Linear) -> tuple:
+    out, inp = module.weight.shape
+    return out, inp, module.bias is not None, torch.get_num_threads()
 
 
-def _choose(module: nn.Linear, bucket: int, candidates: tuple[str, ...]) -> str:
-    """Time the candidate kernels on random rows of this shape; the fastest if it beats stock by the margin."""
-    weight, bias = module.weight.detach(), None if module.bias is None else module.bias.detach()
-    x = torch.randn(BUCKETS[bucket][2], weight.shape[1], dtype=weight.dtype)
-    with torch.no_grad():
-        stock = _time("stock", x, None, bias, weight)
-        timed = {kernel: _time(kernel, x, _make_copy(kernel, weight), bias, weight)
-                 for kernel in candidates if kernel != "stock"}
-    best = min(timed, key=timed.get, default="stock")
-    return best if best != "stock" and timed[best] <= _MARGIN * stock else "stock"
+def _kernels_in_use(key: tuple) -> set[str]:
+    """Kernels some bucket of this shape chose or is still timing (their copies are worth keeping)."""
+    used = set()
+    for trial in _PLANS.get(key, {}).values():
+        used |= {trial.chosen} if trial.chosen else set(trial.candidates)
+    return used
 
 
 # ------------------------------------------------------------------------------------------------ context
@@ -192,23 +210,25 @@ class DecodeKernels:
         self.modules = []
 
     # ------------------------------------------------------------------------------ per call
-    def kernel_for(self, module: nn.Linear, rows: int) -> tuple[str, torch.Tensor | None]:
-        """The kernel for a call of ``rows`` rows and its weight copy (``("stock", None)`` when none applies)."""
+    def kernel_for(self, module: nn.Linear, rows: int) -> tuple[str, torch.Tensor | None, _Trial | None]:
+        """The kernel for a call of ``rows`` rows, its weight copy, and the trial to report the call's time to
+        while the bucket is still being timed (``("stock", None, None)`` when no other kernel applies)."""
         bucket = _bucket(rows) if rows <= self.max_rows else None
-        kernel = "stock" if bucket is None else self.force or self._planned(module, bucket)
+        trial = None
+        if bucket is None:
+            kernel = "stock"
+        elif self.force is not None:
+            kernel = self.force
+        else:
+            trial = _PLANS.setdefault(_shape_key(module), {}).get(bucket)
+            if trial is None:
+                trial = _PLANS[_shape_key(module)][bucket] = _Trial(KERNELS if onednn_available() else KERNELS[:2])
+            kernel, trial = (trial.chosen, None) if trial.chosen else (trial.next_kernel(), trial)
         copy = None if kernel == "stock" else self._copy(module, kernel)
-        kernel = kernel if copy is not None else "stock"
+        if copy is None and kernel != "stock":  # no room for the copy: stock, and stop timing this bucket here
+            kernel, trial = "stock", None
         self.calls[kernel] += 1
-        return kernel, copy
-
-    def _planned(self, module: nn.Linear, bucket: int) -> str:
-        out, inp = module.weight.shape
-        key = (out, inp, module.bias is not None, torch.get_num_threads())
-        choice = _PLANS.setdefault(key, {})
-        if bucket not in choice:
-            candidates = KERNELS if onednn_available() else KERNELS[:2]
-            choice[bucket] = _choose(module, bucket, candidates)
-        return choice[bucket]
+        return kernel, copy, trial
 
     def _copy(self, module: nn.Linear, kernel: str) -> torch.Tensor | None:
         weight = module.weight
@@ -216,6 +236,10 @@ class DecodeKernels:
         copies = _COPIES.get(module)
         if copies is None or copies.fingerprint != fingerprint:  # new, or the weight changed since
             copies = _COPIES[module] = _Copies(fingerprint)
+        if len(copies.tensors) > 1 and self.force is None:  # drop copies of kernels no bucket chose
+            used = _kernels_in_use(_shape_key(module))
+            for unused in [k for k in copies.tensors if k not in used and k != kernel]:
+                del copies.tensors[unused]
         if kernel not in copies.tensors:
             size = weight.numel() * weight.element_size()
             if size > self._room - self.allocated:
@@ -283,10 +307,14 @@ def _forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     if needs_grad or x.dtype != weight.dtype or x.device != weight.device or x.shape[-1] != weight.shape[1]:
         return F.linear(x, weight, bias)
     rows = x.numel() // weight.shape[1]
-    kernel, copy = _INSTALLED[module][-1].kernel_for(module, rows)
-    if kernel == "stock":
+    kernel, copy, trial = _INSTALLED[module][-1].kernel_for(module, rows)
+    if trial is None and kernel == "stock":
         return F.linear(x, weight, bias)
-    out = _run(kernel, x.reshape(rows, weight.shape[1]).contiguous(), copy, bias)  # [R, O]
+    flat = x.reshape(rows, weight.shape[1]).contiguous()  # [R, I]
+    start = time.perf_counter()
+    out = _run(kernel, flat, copy, bias, weight)  # [R, O]
+    if trial is not None:
+        trial.record(kernel, time.perf_counter() - start)
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 

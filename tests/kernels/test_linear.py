@@ -152,15 +152,53 @@ def test_ineligible_modules_are_left_alone():
     assert hooked.forward is marker
 
 
-def test_timed_choice_is_recorded_per_shape_and_bucket():
+def test_real_calls_time_the_kernels_then_the_choice_is_fixed(monkeypatch):
+    monkeypatch.setattr(kl, "_PLANS", {})
     net = _net()
-    with torch.no_grad(), DecodeKernels(net):
-        net(torch.randn(1, 48))
-        net(torch.randn(6, 48))
-    chosen = plans()
+    x = torch.randn(6, 48)
     name = f"1000x80+bias@{torch.get_num_threads()}t"
-    assert set(chosen[name]) >= {"1", "5-8"}
-    assert set(chosen[name].values()) <= set(KERNELS)
+    with torch.no_grad():
+        expected = net(x)
+        with DecodeKernels(net) as ctx:
+            first = net(x)
+            assert plans()[name] == {"5-8": "timing"}
+            for _ in range(kl._SAMPLES * len(KERNELS)):
+                _close(net(x), expected)  # every timed call computes the layer, whichever kernel ran it
+    _close(first, expected)
+    chosen = plans()[name]["5-8"]
+    assert chosen in KERNELS
+    assert ctx.calls["stock"] >= kl._SAMPLES and sum(ctx.calls.values()) > 2 * kl._SAMPLES
+    assert all(kernel != "timing" for shape in plans().values() for kernel in shape.values())
+    with torch.no_grad(), DecodeKernels(net[2]) as again:
+        net[2](torch.randn(6, 80))
+    assert again.calls[chosen] == 1  # fixed for the process: no more timing
+
+
+@pytest.mark.parametrize(("fast_time", "expected"), [(0.5, "onednn"), (0.95, "stock"), (2.0, "stock")])
+def test_trial_picks_the_lowest_median_only_with_a_margin_over_stock(fast_time, expected):
+    trial = kl._Trial(("stock", "onednn"))
+    for i in range(kl._SAMPLES):
+        assert trial.chosen is None
+        trial.record("stock", 1.0 + (5.0 if i == 0 else 0.0))  # one outlier: medians, not means
+        done = trial.record("onednn", fast_time)
+    assert done and trial.chosen == expected
+
+
+def test_copies_no_bucket_chose_are_dropped(monkeypatch):
+    net = _net()
+    layer = net[2]
+    x = torch.randn(3, 48)
+    key = kl._shape_key(layer)
+    with torch.no_grad():
+        with DecodeKernels(net, force="transposed"):
+            net(x)
+        if onednn_available():
+            with DecodeKernels(net, force="onednn"):
+                net(x)
+        monkeypatch.setattr(kl, "_PLANS", {key: {1: kl._Trial(KERNELS, chosen="transposed")}})
+        with DecodeKernels(net):
+            net(x)
+    assert set(kl._COPIES[layer].tensors) == {"transposed"}
 
 
 def test_bad_arguments():
@@ -172,13 +210,12 @@ def test_bad_arguments():
 
 
 def test_stock_choice_makes_no_copy(monkeypatch):
-    monkeypatch.setattr(kl, "_choose", lambda *args: "stock")
-    monkeypatch.setattr(kl, "_PLANS", {})
     net = _net()
-    with torch.no_grad(), warnings.catch_warnings(), DecodeKernels(net) as ctx:
-        warnings.simplefilter("error")
-        net(torch.randn(3, 48))
-    assert ctx.allocated == 0
+    key = kl._shape_key(net[2])
+    monkeypatch.setattr(kl, "_PLANS", {key: {1: kl._Trial(KERNELS, chosen="stock")}})
+    with torch.no_grad(), DecodeKernels(net[2]) as ctx:
+        net[2](torch.randn(3, 80))
+    assert ctx.allocated == 0 and ctx.calls["stock"] == 1
 
 
 def test_inference_mode_copies_are_usable_afterwards_under_no_grad():
