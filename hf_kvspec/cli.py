@@ -68,6 +68,9 @@ def _add_generate(subparsers) -> None:
     p.add_argument("--assistant", default=None,
                    help="speculative decoding drafter: ngram | draft:<causal LM dir> | draft:truncated:<N layers>")
     p.add_argument("--num-draft-tokens", default="4", help="draft tokens per round (K), or 'auto'")
+    p.add_argument("--stock-kernels", action="store_true",
+                   help="with --assistant: keep torch's stock linear kernels instead of hf_kvspec's measured "
+                        "decode kernels (same results up to rounding; no weight copies)")
     p.set_defaults(func=_run_generate)
 
 
@@ -110,7 +113,7 @@ def _speculative_kwargs(args, model) -> dict:
     from hf_kvspec.speculative.loop import speculative_generate
 
     assistant = make_assistant(args.assistant, model, parse_num_draft_tokens(args.num_draft_tokens))
-    return {"custom_generate": speculative_generate, "assistant": assistant}
+    return {"custom_generate": speculative_generate, "assistant": assistant, "decode_kernels": not args.stock_kernels}
 
 
 def _print_stats(new_tokens: int, elapsed: float, kv_bytes: int, cache_name: str, acceptance=None) -> None:

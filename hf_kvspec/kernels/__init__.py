@@ -1,1 +1,3 @@
-"""CPU kernels for decoding: ``linear.py`` routes small-row ``nn.Linear`` calls through the fastest measured kernel."""
+"""CPU kernels for decoding: ``linear.py`` (the ``DecodeKernels`` context) routes few-row ``nn.Linear`` calls
+through the fastest of the kernels in ``ops.py``, chosen by timing real calls (``trials.py``), reading weight
+copies kept in ``copies.py``."""

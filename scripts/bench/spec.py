@@ -295,7 +295,7 @@ def _run_tiny(args) -> None:
     model = LlamaForCausalLM(config).eval()
     model.generation_config.eos_token_id = None  # random weights: always generate the full length
     draft = copy.deepcopy(model)
-    methods = ["plain", "ours/draft", "hf/draft"]
+    methods = ["plain", "ours/draft", "hf/draft", "ours/draft-stock"]
     timers = (_ForwardTimer(model), _ForwardTimer(draft))
     report = Report(f"spec.{args.part or 'tiny'}", TITLE, COLUMNS,
                     settings=vars(args) | {"model": "random Llama, 2 layers, hidden 64, vocab 256",

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
+import copy
 import functools
-import warnings
 
 import pytest
 import torch
 from torch import nn
 
-from hf_kvspec.kernels import linear as kl
+from hf_kvspec.kernels import copies, trials
 from hf_kvspec.kernels.linear import KERNELS, DecodeKernels, onednn_available, plans, release_decode_kernels
 
 FAST = [k for k in KERNELS if k != "stock" and (k != "onednn" or onednn_available())]
@@ -153,7 +153,7 @@ def test_ineligible_modules_are_left_alone():
 
 
 def test_real_calls_time_the_kernels_then_the_choice_is_fixed(monkeypatch):
-    monkeypatch.setattr(kl, "_PLANS", {})
+    monkeypatch.setattr(trials, "PLANS", {})
     net = _net()
     x = torch.randn(6, 48)
     name = f"1000x80+bias@{torch.get_num_threads()}t"
@@ -162,12 +162,12 @@ def test_real_calls_time_the_kernels_then_the_choice_is_fixed(monkeypatch):
         with DecodeKernels(net) as ctx:
             first = net(x)
             assert plans()[name] == {"5-8": "timing"}
-            for _ in range(kl._SAMPLES * len(KERNELS)):
+            for _ in range(trials.SAMPLES * len(KERNELS)):
                 _close(net(x), expected)  # every timed call computes the layer, whichever kernel ran it
     _close(first, expected)
     chosen = plans()[name]["5-8"]
     assert chosen in KERNELS
-    assert ctx.calls["stock"] >= kl._SAMPLES and sum(ctx.calls.values()) > 2 * kl._SAMPLES
+    assert ctx.calls["stock"] >= trials.SAMPLES and sum(ctx.calls.values()) > 2 * trials.SAMPLES
     assert all(kernel != "timing" for shape in plans().values() for kernel in shape.values())
     with torch.no_grad(), DecodeKernels(net[2]) as again:
         net[2](torch.randn(6, 80))
@@ -176,29 +176,32 @@ def test_real_calls_time_the_kernels_then_the_choice_is_fixed(monkeypatch):
 
 @pytest.mark.parametrize(("fast_time", "expected"), [(0.5, "onednn"), (0.95, "stock"), (2.0, "stock")])
 def test_trial_picks_the_lowest_median_only_with_a_margin_over_stock(fast_time, expected):
-    trial = kl._Trial(("stock", "onednn"))
-    for i in range(kl._SAMPLES):
+    trial = trials.Trial(("stock", "onednn"))
+    for i in range(trials.SAMPLES):
         assert trial.chosen is None
         trial.record("stock", 1.0 + (5.0 if i == 0 else 0.0))  # one outlier: medians, not means
         done = trial.record("onednn", fast_time)
     assert done and trial.chosen == expected
 
 
+@pytest.mark.skipif(not onednn_available(), reason="needs two non-stock kernels")
 def test_copies_no_bucket_chose_are_dropped(monkeypatch):
     net = _net()
     layer = net[2]
     x = torch.randn(3, 48)
-    key = kl._shape_key(layer)
+    key = trials.shape_key(layer)
     with torch.no_grad():
         with DecodeKernels(net, force="transposed"):
             net(x)
-        if onednn_available():
-            with DecodeKernels(net, force="onednn"):
-                net(x)
-        monkeypatch.setattr(kl, "_PLANS", {key: {1: kl._Trial(KERNELS, chosen="transposed")}})
-        with DecodeKernels(net):
+        with DecodeKernels(net, force="onednn"):
             net(x)
-    assert set(kl._COPIES[layer].tensors) == {"transposed"}
+        trial = trials.Trial(KERNELS)
+        trial.seconds = {"stock": [1.0] * trials.SAMPLES, "onednn": [2.0] * trials.SAMPLES,
+                         "transposed": [0.1] * (trials.SAMPLES - 1)}
+        monkeypatch.setattr(trials, "PLANS", {key: {1: trial}})
+        with DecodeKernels(net[2]):
+            net[2](torch.randn(3, 80))  # the last timed call: transposed wins, the oneDNN copies go
+    assert copies.kernels_held(layer) == {"transposed"}
 
 
 def test_bad_arguments():
@@ -211,20 +214,122 @@ def test_bad_arguments():
 
 def test_stock_choice_makes_no_copy(monkeypatch):
     net = _net()
-    key = kl._shape_key(net[2])
-    monkeypatch.setattr(kl, "_PLANS", {key: {1: kl._Trial(KERNELS, chosen="stock")}})
+    key = trials.shape_key(net[2])
+    monkeypatch.setattr(trials, "PLANS", {key: {1: trials.Trial(KERNELS, chosen="stock")}})
     with torch.no_grad(), DecodeKernels(net[2]) as ctx:
         net[2](torch.randn(3, 80))
     assert ctx.allocated == 0 and ctx.calls["stock"] == 1
 
 
-def test_inference_mode_copies_are_usable_afterwards_under_no_grad():
+def test_a_trial_that_picks_stock_drops_the_copies(monkeypatch):
+    net = _net()
+    layer, x = net[2], torch.randn(3, 80)
+    with torch.no_grad(), DecodeKernels(layer, force=FAST[0]):
+        layer(x)
+    assert copies.kernels_held(layer) == {FAST[0]}
+    trial = trials.Trial(("stock", FAST[0]))
+    trial.seconds = {"stock": [1e-9] * (trials.SAMPLES - 1), FAST[0]: [1.0] * trials.SAMPLES}
+    monkeypatch.setattr(trials, "PLANS", {trials.shape_key(layer): {1: trial}})
+    with torch.no_grad(), DecodeKernels(layer):
+        layer(x)  # stock's last timed call completes the trial: stock wins
+    assert trial.chosen == "stock"
+    assert copies.kernels_held(layer) == set()
+
+
+def test_a_write_through_data_is_seen_when_the_next_context_opens():
     net = _net()
     x = torch.randn(2, 48)
-    with DecodeKernels(net, force=FAST[0]):
-        with torch.inference_mode():
-            net(x)
-        with torch.no_grad():
-            actual = net(x)
     with torch.no_grad():
-        _close(actual, net(x))
+        with DecodeKernels(net, force=FAST[0]):
+            net(x)
+        version = net[2].weight._version
+        net[2].weight.data.mul_(-2.0)  # e.g. peft's merge_adapter: no version bump on the parameter
+        assert net[2].weight._version == version
+        with DecodeKernels(net, force=FAST[0]):
+            actual = net(x)
+        expected = net(x)
+    _close(actual, expected)
+
+
+def test_inference_tensor_weights():
+    with torch.inference_mode():
+        net = _net()
+        x = torch.randn(2, 48)
+        expected = net(x)
+        with DecodeKernels(net, force=FAST[0]) as ctx:
+            actual = net(x)
+    assert net[0].weight.is_inference() and ctx.calls[FAST[0]] == 2
+    _close(actual, expected)
+    assert not any(copy.is_inference() for copy in copies._STORE[net[0]].tensors.values())
+
+
+def test_overlapping_contexts_close_out_of_order():
+    net = _net()
+    x = torch.randn(2, 48)
+    first, second = DecodeKernels(net, force=FAST[0]), DecodeKernels(net, force="stock")
+    with torch.no_grad():
+        first.__enter__()
+        second.__enter__()
+        first.__exit__(None, None, None)  # e.g. two threads streaming on one model
+        net(x)
+        assert second.calls["stock"] == 2 and sum(first.calls.values()) == 0
+        second.__exit__(None, None, None)
+    assert "forward" not in vars(net[0])
+
+
+def test_reentering_one_instance():
+    net = _net()
+    kernels = DecodeKernels(net, force=FAST[0])
+    with kernels:
+        with kernels:
+            pass
+        assert "forward" in vars(net[0])
+    assert "forward" not in vars(net[0]) and net[0] not in _installed()
+
+
+def _installed():
+    from hf_kvspec.kernels.linear import _INSTALLED
+
+    return _INSTALLED
+
+
+def test_autocast_runs_stock():
+    net = _net()
+    x = torch.randn(2, 48)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = net(x)
+        with DecodeKernels(net, force=FAST[0]) as ctx:
+            actual = net(x)
+    assert actual.dtype == expected.dtype == torch.bfloat16
+    assert ctx.calls[FAST[0]] == 0 and torch.equal(actual, expected)
+
+
+def test_a_deep_copy_made_inside_a_context_runs_stock_afterwards():
+    net = _net()
+    x = torch.randn(2, 48)
+    with torch.no_grad():
+        with DecodeKernels(net, force=FAST[0]):
+            clone = copy.deepcopy(net)
+        assert torch.equal(clone(x), net(x))
+
+
+def test_no_memory_for_copies_ends_the_trial_on_stock(monkeypatch):
+    monkeypatch.setattr(trials, "PLANS", {})
+    monkeypatch.setattr(copies, "available_bytes", lambda: 0)
+    net = _net()
+    x = torch.randn(3, 48)
+    with torch.no_grad(), pytest.warns(RuntimeWarning, match="memory_fraction"), DecodeKernels(net) as ctx:
+        for _ in range(trials.SAMPLES + len(KERNELS)):
+            net(x)
+    assert set(plans()[f"1000x80+bias@{torch.get_num_threads()}t"].values()) == {"stock"}
+    assert ctx.allocated == 0
+
+
+def test_copies_of_a_layer_that_became_ineligible_are_freed():
+    net = _net()
+    with torch.no_grad(), DecodeKernels(net, force=FAST[0]):
+        net(torch.randn(2, 48))
+    net.to(torch.bfloat16)
+    with DecodeKernels(net):
+        pass
+    assert copies.kernels_held(net[0]) == set()

@@ -49,3 +49,12 @@ def test_cli_generate_with_ngram_reports_real_tau(capsys):
     out = capsys.readouterr().out
     tau = float(next(line for line in out.splitlines() if line.startswith("tokens per target forward")).split()[-1])
     assert tau > 1.0 and "acceptance per position" in out
+
+
+@pytest.mark.parametrize(("flags", "expected"), [([], True), (["--stock-kernels"], False)])
+def test_cli_stock_kernels_flag(flags, expected):
+    from hf_kvspec.cli import _speculative_kwargs, build_parser
+    from tests.tiny_models import tiny_model
+
+    args = build_parser().parse_args(["generate", "hi", "--assistant", "ngram", *flags])
+    assert _speculative_kwargs(args, tiny_model("llama"))["decode_kernels"] is expected
