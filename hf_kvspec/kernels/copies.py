@@ -43,7 +43,7 @@ def _identity(weight: torch.Tensor) -> tuple:
 
 def _snapshot(weight: torch.Tensor) -> torch.Tensor:
     flat = weight.detach().reshape(-1)
-    positions = torch.linspace(0, flat.numel() - 1, _SAMPLED_VALUES).long()
+    positions = torch.arange(_SAMPLED_VALUES) * (flat.numel() - 1) // (_SAMPLED_VALUES - 1)  # integer: exact
     with torch.inference_mode(False):
         return flat[positions].clone()
 

@@ -333,3 +333,10 @@ def test_copies_of_a_layer_that_became_ineligible_are_freed():
     with DecodeKernels(net):
         pass
     assert copies.kernels_held(net[0]) == set()
+
+
+def test_snapshot_positions_stay_in_bounds_for_weights_past_float32_precision():
+    weight = torch.zeros(1, 2**24 + 3)  # positions from a float linspace would round past the end here
+    weight[0, -1] = 7.0
+    snapshot = copies._snapshot(weight)
+    assert snapshot.shape == (16,) and snapshot[-1] == 7.0
