@@ -20,8 +20,9 @@ instance-level ``forward`` (e.g. accelerate hooks). Per call, stock runs when au
 autocast, while ``torch.compile`` traces, for other dtypes or devices, and above ``max_rows`` rows.
 The swap belongs to the model, not to a thread: another thread's calls on the same model see it too.
 
-Memory: each copy is the size of its weight. While a bucket is being timed a layer may hold a transposed and a
-oneDNN copy; afterwards only the kernels some bucket of its shape chose stay (the LM head may keep both: one
+Memory: each copy is the size of its weight. While a bucket is being timed its first few layers of a shape
+(``trials.PROBES``) may hold a transposed and a oneDNN copy; afterwards only the kernels some bucket of its
+shape chose stay (the LM head may keep both: one
 for 1 row, one for several). A context never lets the copies of all models exceed ``memory_fraction`` of the
 memory available when it opened (plus what copies already held); past that a layer stays stock, with one
 warning. Reproducibility: which kernel wins is timed on this machine, so fp32 rounding (and, in near ties, a
@@ -115,7 +116,7 @@ class DecodeKernels:
             kernel = self.force
         elif bucket is not None:
             trial = trial_for(shape_key(module), bucket, available_kernels())
-            kernel, trial = (trial.chosen, None) if trial.chosen else (trial.next_kernel(), trial)
+            kernel, trial = (trial.chosen, None) if trial.chosen else (trial.next_kernel(module), trial)
         copy = None if kernel == "stock" else self._copy(module, kernel)
         if kernel != "stock" and copy is None:  # no room for the copy: this call runs stock
             if trial is not None and trial.drop(kernel):

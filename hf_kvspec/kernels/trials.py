@@ -4,8 +4,10 @@ Boundary: process-wide bookkeeping (``PLANS``), no tensors. Which kernel wins de
 build, the thread count, the shape, the row count and whether the weight is in cache, so nothing is
 hard-coded: the first real calls of a shape in a row bucket rotate through the kernels (each call still
 computes the layer) and report their time; after ``SAMPLES`` calls per kernel the lowest median wins if it
-beats stock's median by ``MARGIN`` (stock otherwise: no copy). A model's layers share shapes (30 layers of
-SmolLM2 give 30 calls per shape per forward), so a choice settles within the first forward or two.
+beats stock's median by ``MARGIN`` (stock otherwise: no copy). Only the first ``PROBES`` modules of a shape try
+the other kernels (so only they get copies before the choice); the rest run stock and time that. A model's
+layers share shapes (30 layers of SmolLM2 give 30 calls per shape per forward), so a choice settles within a
+few forwards.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ BUCKETS = ((1, 1), (2, 4), (5, 8), (9, 16), (17, 64))
 #: a non-stock kernel's median must be at most this fraction of stock's (copies cost memory)
 MARGIN = 0.9
 SAMPLES = 8  # timed real calls per kernel before a bucket's choice is made
+PROBES = 4  # modules per shape and bucket that try non-stock kernels while it is timed
 
 
 @dataclass
@@ -30,8 +33,14 @@ class Trial:
     candidates: tuple[str, ...]
     seconds: dict[str, list[float]] = field(default_factory=dict)
     chosen: str | None = None
+    probes: set[int] = field(default_factory=set)  # id() of the modules that try every kernel
 
-    def next_kernel(self) -> str:
+    def next_kernel(self, module: object | None = None) -> str:
+        """The kernel ``module``'s next call should time: the least-sampled one for a probe module, else stock."""
+        if module is not None and id(module) not in self.probes:
+            if len(self.probes) >= PROBES:
+                return "stock"
+            self.probes.add(id(module))
         return min(self.candidates, key=lambda kernel: len(self.seconds.get(kernel, ())))
 
     def record(self, kernel: str, seconds: float) -> bool:

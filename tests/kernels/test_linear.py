@@ -340,3 +340,19 @@ def test_snapshot_positions_stay_in_bounds_for_weights_past_float32_precision():
     weight[0, -1] = 7.0
     snapshot = copies._snapshot(weight)
     assert snapshot.shape == (16,) and snapshot[-1] == 7.0
+
+
+def test_only_the_first_few_layers_of_a_shape_try_other_kernels(monkeypatch):
+    monkeypatch.setattr(trials, "PLANS", {})
+    torch.manual_seed(0)
+    deep = nn.Sequential(*[nn.Linear(32, 32) for _ in range(10)]).eval()
+    x = torch.randn(3, 32)
+    with torch.no_grad():
+        expected = deep(x)
+        with DecodeKernels(deep) as ctx:
+            _close(deep(x), expected)
+            holding = [layer for layer in deep if copies.kernels_held(layer)]
+            assert 0 < len(holding) <= trials.PROBES and set(holding) <= set(deep[:trials.PROBES])
+            while plans()[f"32x32+bias@{torch.get_num_threads()}t"]["2-4"] == "timing":
+                _close(deep(x), expected)
+    assert sum(ctx.calls.values()) <= 10 * (trials.SAMPLES * len(KERNELS))  # settles within a few forwards
