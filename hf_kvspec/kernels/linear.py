@@ -60,13 +60,15 @@ class DecodeKernels:
         memory_fraction: the most all weight copies may take, as a fraction of the memory available when the
             context opens (plus what copies already held).
         force: one of ``KERNELS`` for every eligible call instead of timing (tests, reproducibility).
+        min_weight_elements: smaller layers stay stock (their calls take microseconds; the swap's own Python
+            costs about as much as any kernel could save there).
 
     Contexts may be nested, overlap on the same model (the innermost open one decides) and an instance may be
     re-entered; each swap is undone when the last context using the module closes.
     """
 
     def __init__(self, *models: nn.Module, max_rows: int = 64, memory_fraction: float = 0.25,
-                 force: str | None = None):
+                 force: str | None = None, min_weight_elements: int = 1 << 16):
         if not 1 <= max_rows <= BUCKETS[-1][1]:
             raise ValueError(f"max_rows must be in 1..{BUCKETS[-1][1]}, got {max_rows}")
         if force is not None and force not in KERNELS:
@@ -75,8 +77,10 @@ class DecodeKernels:
             raise RuntimeError("force='onednn' but this torch build has no working oneDNN linear ops "
                                "(torch.backends.mkldnn); use force='transposed' or leave force=None.")
         self.models, self.max_rows, self.force = models, max_rows, force
-        self.memory_fraction = memory_fraction
+        self.memory_fraction, self.min_weight_elements = memory_fraction, min_weight_elements
         self.modules: list[nn.Linear] = []
+        # (id(module), rows) -> (kernel, copy, data_ptr, version) of calls whose kernel no longer changes
+        self.resolved: dict[tuple[int, int], tuple] = {}
         self.allocated = 0  # bytes of weight copies this context made
         self.calls = dict.fromkeys(KERNELS, 0)  # linear calls per kernel while this context was innermost
         self._budget = 0
@@ -90,7 +94,7 @@ class DecodeKernels:
         self._budget = int(self.memory_fraction * (copies.available_bytes() + copies.held_bytes()))
         for model in self.models:
             for module in model.modules():
-                if _eligible(module):
+                if _eligible(module, self.min_weight_elements):
                     copies.verify(module)
                     self.modules.append(module)
                     _install(module, self)
@@ -104,7 +108,7 @@ class DecodeKernels:
             return
         for module in self.modules:
             _uninstall(module, self)
-        self.modules = []
+        self.modules, self.resolved = [], {}
 
     # ------------------------------------------------------------------------------ per call
     def kernel_for(self, module: nn.Linear, rows: int) -> tuple[str, torch.Tensor | None, Trial | None]:
@@ -115,13 +119,16 @@ class DecodeKernels:
         if bucket is not None and self.force is not None:
             kernel = self.force
         elif bucket is not None:
-            trial = trial_for(shape_key(module), bucket, available_kernels())
-            kernel, trial = (trial.chosen, None) if trial.chosen else (trial.next_kernel(module), trial)
+            pending = trial_for(shape_key(module), bucket, available_kernels())
+            kernel, trial = (pending.chosen, None) if pending.chosen else (pending.next_kernel(module), pending)
+        final = trial is None  # the kernel for this module and row count no longer changes (in this context)
         copy = None if kernel == "stock" else self._copy(module, kernel)
         if kernel != "stock" and copy is None:  # no room for the copy: this call runs stock
             if trial is not None and trial.drop(kernel):
                 settle(shape_key(module))
             kernel, trial = "stock", None
+        if final:  # later calls of this module with as many rows skip the lookups
+            self.resolved[id(module), rows] = (kernel, copy, module.weight.data_ptr(), _version(module.weight))
         self.calls[kernel] += 1
         return kernel, copy, trial
 
@@ -162,10 +169,15 @@ def settle(key: tuple) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ install
-def _eligible(module: nn.Module) -> bool:
+def _eligible(module: nn.Module, min_elements: int) -> bool:
     return (type(module) is nn.Linear and module.weight.device.type == "cpu"
             and module.weight.dtype == torch.float32 and module.weight.dim() == 2
+            and module.weight.numel() >= min_elements
             and ("forward" not in vars(module) or module in _INSTALLED))
+
+
+def _version(weight: torch.Tensor) -> int | None:
+    return None if weight.is_inference() else weight._version
 
 
 def _install(module: nn.Linear, context: DecodeKernels) -> None:
@@ -191,8 +203,13 @@ def _forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     stack = _INSTALLED.get(module)  # empty for a deep copy made while swapped: it runs stock
     if not stack or _needs_stock(weight, bias, x):
         return F.linear(x, weight, bias)
-    rows = x.numel() // weight.shape[1]
-    kernel, copy, trial = stack[-1].kernel_for(module, rows)
+    rows, context = x.numel() // weight.shape[1], stack[-1]
+    hit = context.resolved.get((id(module), rows))
+    if hit is not None and hit[2] == weight.data_ptr() and hit[3] == _version(weight):  # the fast path
+        kernel, copy, trial = hit[0], hit[1], None
+        context.calls[kernel] += 1
+    else:
+        kernel, copy, trial = context.kernel_for(module, rows)
     if trial is None and kernel == "stock":
         return F.linear(x, weight, bias)
     flat = x.reshape(rows, weight.shape[1]).contiguous()  # [R, I]

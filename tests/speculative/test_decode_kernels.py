@@ -39,7 +39,7 @@ def test_forced_kernels_keep_greedy_identical(models, kernel, bs, monkeypatch):
     made = []
 
     def forced(*models, **options):
-        made.append(DecodeKernels(*models, force=kernel, **options))
+        made.append(DecodeKernels(*models, force=kernel, min_weight_elements=0, **options))
         return made[-1]
 
     monkeypatch.setattr(loop, "DecodeKernels", forced)
@@ -51,9 +51,11 @@ def test_forced_kernels_keep_greedy_identical(models, kernel, bs, monkeypatch):
     assert "forward" not in vars(target.lm_head)  # restored after the call
 
 
-def test_target_and_draft_linears_are_swapped_by_default_and_not_with_false(models):
+def test_target_and_draft_linears_are_swapped_by_default_and_not_with_false(models, monkeypatch):
+    """The loop opens DecodeKernels over the target and the draft (tiny layers count here: threshold 0)."""
     target, drafts = models
     ids, mask = batch(1)
+    monkeypatch.setattr(loop, "DecodeKernels", functools.partial(DecodeKernels, min_weight_elements=0))
     target_seen, target_hook = _swaps(target.lm_head)
     draft_seen, draft_hook = _swaps(drafts["partial"].lm_head)
     try:
@@ -68,9 +70,10 @@ def test_target_and_draft_linears_are_swapped_by_default_and_not_with_false(mode
         target_hook.remove(), draft_hook.remove()
 
 
-def test_enable_path_passes_decode_kernels_through(models):
+def test_enable_path_passes_decode_kernels_through(models, monkeypatch):
     target, _ = models
     ids, mask = batch(1)
+    monkeypatch.setattr(loop, "DecodeKernels", functools.partial(DecodeKernels, min_weight_elements=0))
     seen, handle = _swaps(target.lm_head)
     hf_kvspec.enable(target)
     try:
@@ -96,5 +99,5 @@ def test_sampling_with_forced_kernels_draws_what_stock_draws(seed, monkeypatch):
                                assistant=hf_kvspec.DraftModelAssistant(drafts["partial"], num_draft_tokens=4))
 
     stock = sample(False)
-    monkeypatch.setattr(loop, "DecodeKernels", functools.partial(DecodeKernels, force=FAST[-1]))
+    monkeypatch.setattr(loop, "DecodeKernels", functools.partial(DecodeKernels, force=FAST[-1], min_weight_elements=0))
     assert torch.equal(sample(True), stock)
