@@ -1,7 +1,7 @@
 """Weight copies for the decode kernels: kept per module between calls, dropped when the weight changes.
 
 Boundary: a process-wide store weakly keyed by ``nn.Linear`` (copies die with their model) plus the memory
-figures the budget needs. Knows nothing about timing; ``trials.py`` says which kernels are still worth a copy.
+figures the budget needs. Knows nothing about timing; the caller says which kernels are still worth a copy.
 
 A copy is stale when its module's weight is another tensor (identity, ``data_ptr``, shape), was changed in
 place (the version counter; inference tensors have none), or was written through ``.data`` (which bumps no
@@ -18,8 +18,6 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from hf_kvspec.kernels.trials import shape_key
-
 _SAMPLED_VALUES = 16
 
 
@@ -28,6 +26,7 @@ class _Entry:
     """One module's copies and the weight they were made from."""
 
     weight: weakref.ref
+    key: tuple  # the trials' shape key (model, shape, threads) the copies serve
     identity: tuple  # (data_ptr, version or None, shape)
     snapshot: torch.Tensor  # [_SAMPLED_VALUES] weight values at fixed flat positions
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -64,16 +63,20 @@ def verify(module: nn.Linear) -> None:
         del _STORE[module]
 
 
-def get(module: nn.Linear, kernel: str) -> torch.Tensor | None:
+def get(module: nn.Linear, kernel: str, key: tuple) -> torch.Tensor | None:
+    """The module's copy for ``kernel``, if current; the copies now serve trials of ``key``."""
     entry = _current(module)
-    return None if entry is None else entry.tensors.get(kernel)
+    if entry is None:
+        return None
+    entry.key = key
+    return entry.tensors.get(kernel)
 
 
-def add(module: nn.Linear, kernel: str, copy: torch.Tensor) -> None:
+def add(module: nn.Linear, kernel: str, copy: torch.Tensor, key: tuple) -> None:
     entry = _current(module)
     if entry is None:
         weight = module.weight
-        entry = _STORE[module] = _Entry(weakref.ref(weight), _identity(weight), _snapshot(weight))
+        entry = _STORE[module] = _Entry(weakref.ref(weight), key, _identity(weight), _snapshot(weight))
     entry.tensors[kernel] = copy
 
 
@@ -81,7 +84,7 @@ def prune(key: tuple, keep: set[str]) -> int:
     """Drop the copies of kernels outside ``keep`` for every module of shape ``key``; returns bytes freed."""
     freed = 0
     for module, entry in list(_STORE.items()):
-        if shape_key(module) == key:
+        if entry.key == key:
             for kernel in [k for k in entry.tensors if k not in keep]:
                 del entry.tensors[kernel]
                 freed += _nbytes(module)

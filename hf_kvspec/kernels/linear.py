@@ -20,8 +20,8 @@ instance-level ``forward`` (e.g. accelerate hooks). Per call, stock runs when au
 autocast, while ``torch.compile`` traces, for other dtypes or devices, and above ``max_rows`` rows.
 The swap belongs to the model, not to a thread: another thread's calls on the same model see it too.
 
-Memory: each copy is the size of its weight. While a bucket is being timed its first few layers of a shape
-(``trials.PROBES``) may hold a transposed and a oneDNN copy; afterwards only the kernels some bucket of its
+Memory: each copy is the size of its weight. While a bucket is being timed the few layers of a shape that are
+timed (``trials.PROBES``) may hold a transposed and a oneDNN copy; afterwards only the kernels some bucket of its
 shape chose stay (the LM head may keep both: one
 for 1 row, one for several). A context never lets the copies of all models exceed ``memory_fraction`` of the
 memory available when it opened (plus what copies already held); past that a layer stays stock, with one
@@ -44,7 +44,7 @@ from torch import nn
 
 from hf_kvspec.kernels import copies
 from hf_kvspec.kernels.ops import KERNELS, available_kernels, make_copy, onednn_available, run
-from hf_kvspec.kernels.trials import BUCKETS, Trial, bucket_of, kernels_in_use, plans, shape_key, trial_for
+from hf_kvspec.kernels.trials import BUCKETS, Trial, bucket_of, group_label, kernels_in_use, plans, shape_key, trial_for
 
 __all__ = ["KERNELS", "DecodeKernels", "decode_kernels", "onednn_available", "plans", "release_decode_kernels"]
 
@@ -81,6 +81,7 @@ class DecodeKernels:
         self.modules: list[nn.Linear] = []
         # (id(module), rows) -> (kernel, copy, data_ptr, version) of calls whose kernel no longer changes
         self.resolved: dict[tuple[int, int], tuple] = {}
+        self.groups: dict[int, str] = {}  # id(module) -> label of the model it was reached from
         self.allocated = 0  # bytes of weight copies this context made
         self.calls = dict.fromkeys(KERNELS, 0)  # linear calls per kernel while this context was innermost
         self._budget = 0
@@ -94,9 +95,10 @@ class DecodeKernels:
         self._budget = int(self.memory_fraction * (copies.available_bytes() + copies.held_bytes()))
         for model in self.models:
             for module in model.modules():
-                if _eligible(module, self.min_weight_elements):
+                if _eligible(module, self.min_weight_elements) and id(module) not in self.groups:
                     copies.verify(module)
                     self.modules.append(module)
+                    self.groups[id(module)] = group_label(model)
                     _install(module, self)
                 elif isinstance(module, nn.Linear) and module not in _INSTALLED:
                     copies.release(module)  # e.g. moved to another device or dtype since its copies were made
@@ -108,39 +110,41 @@ class DecodeKernels:
             return
         for module in self.modules:
             _uninstall(module, self)
-        self.modules, self.resolved = [], {}
+        self.modules, self.resolved, self.groups = [], {}, {}
 
     # ------------------------------------------------------------------------------ per call
     def kernel_for(self, module: nn.Linear, rows: int) -> tuple[str, torch.Tensor | None, Trial | None]:
         """The kernel for a call of ``rows`` rows, its weight copy, and the trial to report the call's time to
         while the bucket is still being timed (``("stock", None, None)`` when no other kernel applies)."""
         bucket = bucket_of(rows) if rows <= self.max_rows else None
-        kernel, trial = "stock", None
+        key = shape_key(module, self.groups.get(id(module), ""))
+        kernel, trial, final = "stock", None, True  # final: this module's kernel for ``rows`` no longer changes
         if bucket is not None and self.force is not None:
             kernel = self.force
         elif bucket is not None:
-            pending = trial_for(shape_key(module), bucket, available_kernels())
-            kernel, trial = (pending.chosen, None) if pending.chosen else (pending.next_kernel(module), pending)
-        final = trial is None  # the kernel for this module and row count no longer changes (in this context)
-        copy = None if kernel == "stock" else self._copy(module, kernel)
+            pending = trial_for(key, bucket, available_kernels())
+            timed = None if pending.chosen else pending.next_kernel(module)
+            kernel = pending.chosen or timed or "stock"
+            trial, final = (pending, False) if timed else (None, pending.chosen is not None)
+        copy = None if kernel == "stock" else self._copy(module, kernel, key)
         if kernel != "stock" and copy is None:  # no room for the copy: this call runs stock
             if trial is not None and trial.drop(kernel):
-                settle(shape_key(module))
+                settle(key)
             kernel, trial = "stock", None
         if final:  # later calls of this module with as many rows skip the lookups
             self.resolved[id(module), rows] = (kernel, copy, module.weight.data_ptr(), _version(module.weight))
         self.calls[kernel] += 1
         return kernel, copy, trial
 
-    def _copy(self, module: nn.Linear, kernel: str) -> torch.Tensor | None:
-        copy = copies.get(module, kernel)
+    def _copy(self, module: nn.Linear, kernel: str, key: tuple) -> torch.Tensor | None:
+        copy = copies.get(module, kernel, key)
         if copy is None:
             size = module.weight.numel() * module.weight.element_size()
             if copies.held_bytes() + size > self._budget:
                 self._warn_memory(size)
                 return None
             copy = make_copy(kernel, module.weight)
-            copies.add(module, kernel, copy)
+            copies.add(module, kernel, copy, key)
             self.allocated += size
         return copy
 
@@ -216,7 +220,7 @@ def _forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     start = time.perf_counter()
     out = run(kernel, flat, copy, bias, weight)  # [R, O]
     if trial is not None and trial.record(kernel, time.perf_counter() - start):
-        settle(shape_key(module))
+        settle(trial.key)
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 

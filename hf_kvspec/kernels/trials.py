@@ -4,10 +4,12 @@ Boundary: process-wide bookkeeping (``PLANS``), no tensors. Which kernel wins de
 build, the thread count, the shape, the row count and whether the weight is in cache, so nothing is
 hard-coded: the first real calls of a shape in a row bucket rotate through the kernels (each call still
 computes the layer) and report their time; after ``SAMPLES`` calls per kernel the lowest median wins if it
-beats stock's median by ``MARGIN`` (stock otherwise: no copy). Only the first ``PROBES`` modules of a shape try
-the other kernels (so only they get copies before the choice); the rest run stock and time that. A model's
-layers share shapes (30 layers of SmolLM2 give 30 calls per shape per forward), so a choice settles within a
-few forwards.
+beats stock's median by ``MARGIN`` (stock otherwise: no copy). Only the first ``PROBES`` modules of a shape are
+timed, each rotating through every kernel, stock included, so the kernels are compared on the same layers
+(a layer that is hot in cache must not race a cold one); the other layers run stock meanwhile and only
+the probes get copies before the choice. Trials are per model (``group_label``): a small draft model whose
+weights stay in cache is timed apart from its target. A model's layers share shapes (30 layers of SmolLM2 give
+30 calls per shape per forward), so a choice settles within a few forwards.
 """
 
 from __future__ import annotations
@@ -31,15 +33,17 @@ class Trial:
     """Timings of the kernels on real calls of one shape in one row bucket, until one is chosen."""
 
     candidates: tuple[str, ...]
+    key: tuple = ()  # the shape key this trial decides for (see ``shape_key``)
     seconds: dict[str, list[float]] = field(default_factory=dict)
     chosen: str | None = None
-    probes: set[int] = field(default_factory=set)  # id() of the modules that try every kernel
+    probes: set[int] = field(default_factory=set)  # id() of the modules that are timed
 
-    def next_kernel(self, module: object | None = None) -> str:
-        """The kernel ``module``'s next call should time: the least-sampled one for a probe module, else stock."""
+    def next_kernel(self, module: object | None = None) -> str | None:
+        """The kernel ``module``'s next call should time (the least-sampled one), or None when ``module`` is not
+        one of the probes (it runs stock, untimed)."""
         if module is not None and id(module) not in self.probes:
             if len(self.probes) >= PROBES:
-                return "stock"
+                return None
             self.probes.add(id(module))
         return min(self.candidates, key=lambda kernel: len(self.seconds.get(kernel, ())))
 
@@ -66,10 +70,15 @@ class Trial:
 PLANS: dict[tuple, dict[int, Trial]] = {}  # shape key -> {bucket index: trial}
 
 
-def shape_key(module: nn.Linear) -> tuple:
-    """(O, I, has bias, torch threads): calls with equal keys time alike."""
+def group_label(model: nn.Module) -> str:
+    """Names the model a module was reached from: trials are kept per model."""
+    return f"{type(model).__name__}@{id(model):x}"
+
+
+def shape_key(module: nn.Linear, group: str = "") -> tuple:
+    """(model, O, I, has bias, torch threads): calls with equal keys time alike."""
     out, inp = module.weight.shape
-    return out, inp, module.bias is not None, torch.get_num_threads()
+    return group, out, inp, module.bias is not None, torch.get_num_threads()
 
 
 def bucket_of(rows: int) -> int | None:
@@ -82,7 +91,7 @@ def bucket_of(rows: int) -> int | None:
 def trial_for(key: tuple, bucket: int, candidates: tuple[str, ...]) -> Trial:
     trials = PLANS.setdefault(key, {})
     if bucket not in trials:
-        trials[bucket] = Trial(candidates)
+        trials[bucket] = Trial(candidates, key)
     return trials[bucket]
 
 
@@ -94,12 +103,16 @@ def kernels_in_use(key: tuple) -> set[str]:
     return used
 
 
-def plans() -> dict[str, dict[str, str]]:
-    """The kernel per shape and row bucket so far, e.g. ``{"49152x576@1t": {"1": "transposed", "2-4": "timing"}}``
+def plans() -> dict[str, dict[str, dict[str, str]]]:
+    """The kernel per model, shape and row bucket so far, e.g.
+    ``{"LlamaForCausalLM@7f..": {"49152x576@1t": {"1": "transposed", "2-4": "timing"}}}``
     (shape ``OxI``, ``+bias`` when it has one, torch threads)."""
-    return {f"{out}x{inp}" + ("+bias" if bias else "") + f"@{threads}t":
-            {_bucket_name(index): trial.chosen or "timing" for index, trial in sorted(trials.items())}
-            for (out, inp, bias, threads), trials in PLANS.items()}
+    result: dict[str, dict[str, dict[str, str]]] = {}
+    for (group, out, inp, bias, threads), trials in PLANS.items():
+        shape = f"{out}x{inp}" + ("+bias" if bias else "") + f"@{threads}t"
+        result.setdefault(group, {})[shape] = {_bucket_name(index): trial.chosen or "timing"
+                                               for index, trial in sorted(trials.items())}
+    return result
 
 
 def _bucket_name(index: int) -> str:
