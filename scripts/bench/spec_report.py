@@ -102,7 +102,10 @@ COMMON_NOTES = [
     "transformers' assisted generation: num_assistant_tokens=K, num_assistant_tokens_schedule='constant', "
     "assistant_confidence_threshold=0 (so its K never adapts); ours/draft-auto is compared with that fixed-K run.",
     "equals_plain: greedy output token-identical to plain generate (sampling modes draw different tokens).",
-    "The machine (2 cores) was shared with other jobs: ratios come from the same run, absolute speeds are noisy.",
+    "Runs of 2026-12-01 on an otherwise idle 2-core machine (a few short unit-test runs overlapped some cells); "
+    "ratios come from the same run, absolute speeds vary by about 5% between runs.",
+    "Ours runs with its decode kernels (hf_kvspec/kernels/, on by default); -stock = ours with "
+    "decode_kernels=False; +kernels = that loop inside hf_kvspec.DecodeKernels(target, draft).",
 ]
 
 
@@ -118,7 +121,7 @@ def _draw(fig, rows) -> None:
         values = [statistics.mean([r["speed_vs_plain"] for r in cell if r["method"] == m] or [0]) for m in labels]
         ax.bar([i + width * offset for i in range(len(labels))], values, width=width, label=f"{part}: {mode}" + (f", draft {draft}" if draft else ""))
     ax.axhline(1.0, color="grey", linewidth=0.8)
-    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(labels))], labels, fontsize=8)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(labels))], labels, fontsize=7, rotation=30, ha="right")
     ax.set_ylabel("speed vs plain generate (mean over prompts)")
     ax.set_title("bs=1 SmolLM2-135M on CPU: speculative vs plain vs transformers")
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.0, 1.0))
