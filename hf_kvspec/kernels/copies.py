@@ -3,10 +3,12 @@
 Boundary: a process-wide store weakly keyed by ``nn.Linear`` (copies die with their model) plus the memory
 figures the budget needs. Knows nothing about timing; the caller says which kernels are still worth a copy.
 
-A copy is stale when its module's weight is another tensor (identity, ``data_ptr``, shape), was changed in
-place (the version counter; inference tensors have none), or was written through ``.data`` (which bumps no
-counter, e.g. merging a LoRA adapter): for that, 16 values of the weight are compared with a snapshot each
-time a context opens. A change none of these sees needs ``release_decode_kernels(model)``.
+A copy is stale when its module's weight is another Parameter, points at other memory or with another
+shape or strides (an alias of the old storage is kept, so its address cannot be reused by a new tensor), was
+changed in place (the version counter; inference tensors have none), or was written through ``.data``
+(which bumps no counter, e.g. merging a LoRA adapter): for that, 16 values of the weight are compared with a
+snapshot each time a context opens. A change none of these sees (an in-place write to an inference tensor
+while a context is open) needs ``release_decode_kernels(model)``.
 """
 
 from __future__ import annotations
@@ -25,9 +27,10 @@ _SAMPLED_VALUES = 16
 class _Entry:
     """One module's copies and the weight they were made from."""
 
-    weight: weakref.ref
+    weight: weakref.ref  # the Parameter
+    alias: torch.Tensor  # shares the weight's storage: keeps its address from being reused while we compare it
     key: tuple  # the trials' shape key (model, shape, threads) the copies serve
-    identity: tuple  # (data_ptr, version or None, shape)
+    identity: tuple  # see ``identity``
     snapshot: torch.Tensor  # [_SAMPLED_VALUES] weight values at fixed flat positions
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
 
@@ -35,9 +38,10 @@ class _Entry:
 _STORE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # nn.Linear -> _Entry
 
 
-def _identity(weight: torch.Tensor) -> tuple:
+def identity(weight: torch.Tensor) -> tuple:
+    """(data_ptr, version or None for inference tensors, shape, strides): what a per-call check compares."""
     version = None if weight.is_inference() else weight._version
-    return weight.data_ptr(), version, tuple(weight.shape)
+    return weight.data_ptr(), version, tuple(weight.shape), weight.stride()
 
 
 def _snapshot(weight: torch.Tensor) -> torch.Tensor:
@@ -50,7 +54,7 @@ def _snapshot(weight: torch.Tensor) -> torch.Tensor:
 def _current(module: nn.Linear) -> _Entry | None:
     """The module's entry if its copies still match the weight (cheap checks, every call); drops stale ones."""
     entry = _STORE.get(module)
-    if entry is not None and (entry.weight() is not module.weight or entry.identity != _identity(module.weight)):
+    if entry is not None and (entry.weight() is not module.weight or entry.identity != identity(module.weight)):
         del _STORE[module]
         return None
     return entry
@@ -76,7 +80,8 @@ def add(module: nn.Linear, kernel: str, copy: torch.Tensor, key: tuple) -> None:
     entry = _current(module)
     if entry is None:
         weight = module.weight
-        entry = _STORE[module] = _Entry(weakref.ref(weight), key, _identity(weight), _snapshot(weight))
+        entry = _STORE[module] = _Entry(weakref.ref(weight), weight.detach(), key, identity(weight),
+                                        _snapshot(weight))
     entry.tensors[kernel] = copy
 
 

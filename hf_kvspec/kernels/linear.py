@@ -79,7 +79,7 @@ class DecodeKernels:
         self.models, self.max_rows, self.force = models, max_rows, force
         self.memory_fraction, self.min_weight_elements = memory_fraction, min_weight_elements
         self.modules: list[nn.Linear] = []
-        # (id(module), rows) -> (kernel, copy, data_ptr, version) of calls whose kernel no longer changes
+        # (id(module), rows) -> (kernel, copy, weight, storage alias, identity, threads) of settled calls
         self.resolved: dict[tuple[int, int], tuple] = {}
         self.groups: dict[int, str] = {}  # id(module) -> label of the model it was reached from
         self.allocated = 0  # bytes of weight copies this context made
@@ -131,8 +131,10 @@ class DecodeKernels:
             if trial is not None and trial.drop(kernel):
                 settle(key)
             kernel, trial = "stock", None
-        if final:  # later calls of this module with as many rows skip the lookups
-            self.resolved[id(module), rows] = (kernel, copy, module.weight.data_ptr(), _version(module.weight))
+        if final:  # later calls of this module with as many rows skip the lookups (``_resolved``)
+            weight = module.weight
+            self.resolved[id(module), rows] = (kernel, copy, weight, weight.detach(), copies.identity(weight),
+                                               torch.get_num_threads())
         self.calls[kernel] += 1
         return kernel, copy, trial
 
@@ -180,10 +182,6 @@ def _eligible(module: nn.Module, min_elements: int) -> bool:
             and ("forward" not in vars(module) or module in _INSTALLED))
 
 
-def _version(weight: torch.Tensor) -> int | None:
-    return None if weight.is_inference() else weight._version
-
-
 def _install(module: nn.Linear, context: DecodeKernels) -> None:
     stack = _INSTALLED.setdefault(module, [])
     stack.append(context)
@@ -198,7 +196,8 @@ def _uninstall(module: nn.Linear, context: DecodeKernels) -> None:
     stack.remove(context)  # this context's entry, wherever it is (contexts may close out of order)
     if not stack:
         del _INSTALLED[module]
-        vars(module).pop("forward", None)  # the class's forward shows through again
+        if getattr(vars(module).get("forward"), "func", None) is _forward:  # not a hook added meanwhile
+            del module.forward  # the class's forward shows through again
 
 
 def _forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -208,8 +207,8 @@ def _forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     if not stack or _needs_stock(weight, bias, x):
         return F.linear(x, weight, bias)
     rows, context = x.numel() // weight.shape[1], stack[-1]
-    hit = context.resolved.get((id(module), rows))
-    if hit is not None and hit[2] == weight.data_ptr() and hit[3] == _version(weight):  # the fast path
+    hit = _resolved(context, module, rows)
+    if hit is not None:  # the fast path
         kernel, copy, trial = hit[0], hit[1], None
         context.calls[kernel] += 1
     else:
@@ -224,8 +223,20 @@ def _forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
+def _resolved(context: DecodeKernels, module: nn.Linear, rows: int) -> tuple | None:
+    """A settled call's (kernel, copy, ...) if the weight is still the very tensor it was settled for: the same
+    Parameter, memory (its old storage is kept alive, so no new tensor can take the address), shape, strides,
+    version, and the same thread count."""
+    hit = context.resolved.get((id(module), rows))
+    weight = module.weight
+    if hit is None or hit[2] is not weight or hit[4] != copies.identity(weight) or hit[5] != torch.get_num_threads():
+        return None
+    return hit
+
+
 def _needs_stock(weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor) -> bool:
     needs_grad = torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad
                                               or (bias is not None and bias.requires_grad))
     return (needs_grad or torch.is_autocast_enabled("cpu") or torch.compiler.is_compiling()
+            or weight.dtype != torch.float32 or weight.device.type != "cpu"  # converted while a context is open
             or x.dtype != weight.dtype or x.device != weight.device or x.shape[-1] != weight.shape[1])

@@ -14,7 +14,9 @@ weights stay in cache is timed apart from its target. A model's layers share sha
 
 from __future__ import annotations
 
+import itertools
 import statistics
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -36,16 +38,19 @@ class Trial:
     key: tuple = ()  # the shape key this trial decides for (see ``shape_key``)
     seconds: dict[str, list[float]] = field(default_factory=dict)
     chosen: str | None = None
-    probes: set[int] = field(default_factory=set)  # id() of the modules that are timed
+    probes: dict[int, int] = field(default_factory=dict)  # id() of a timed module -> its timed calls so far
 
-    def next_kernel(self, module: object | None = None) -> str | None:
-        """The kernel ``module``'s next call should time (the least-sampled one), or None when ``module`` is not
-        one of the probes (it runs stock, untimed)."""
-        if module is not None and id(module) not in self.probes:
+    def next_kernel(self, module: object) -> str | None:
+        """The kernel ``module``'s next call should time, or None when ``module`` is not one of the probes (it
+        runs stock, untimed). Each probe cycles through every candidate, starting at its own offset, so every
+        kernel is timed on every probe layer."""
+        if id(module) not in self.probes:
             if len(self.probes) >= PROBES:
                 return None
-            self.probes.add(id(module))
-        return min(self.candidates, key=lambda kernel: len(self.seconds.get(kernel, ())))
+            self.probes[id(module)] = len(self.probes)  # offset: probes start on different kernels
+        turn = self.probes[id(module)]
+        self.probes[id(module)] = turn + 1
+        return self.candidates[turn % len(self.candidates)]
 
     def record(self, kernel: str, seconds: float) -> bool:
         """Add one timing; True when this completed the trial (``chosen`` is now set)."""
@@ -70,9 +75,23 @@ class Trial:
 PLANS: dict[tuple, dict[int, Trial]] = {}  # shape key -> {bucket index: trial}
 
 
+_LABELS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its label
+_COUNTER = itertools.count()
+
+
 def group_label(model: nn.Module) -> str:
-    """Names the model a module was reached from: trials are kept per model."""
-    return f"{type(model).__name__}@{id(model):x}"
+    """Names the model a module was reached from: trials are kept per model, and forgotten with it (a new
+    model that gets a dead one's ``id`` starts afresh)."""
+    label = _LABELS.get(model)
+    if label is None:
+        label = _LABELS[model] = f"{type(model).__name__}#{next(_COUNTER)}"
+        weakref.finalize(model, _forget, label)
+    return label
+
+
+def _forget(label: str) -> None:
+    for key in [key for key in PLANS if key[0] == label]:
+        del PLANS[key]
 
 
 def shape_key(module: nn.Linear, group: str = "") -> tuple:
@@ -105,7 +124,7 @@ def kernels_in_use(key: tuple) -> set[str]:
 
 def plans() -> dict[str, dict[str, dict[str, str]]]:
     """The kernel per model, shape and row bucket so far, e.g.
-    ``{"LlamaForCausalLM@7f..": {"49152x576@1t": {"1": "transposed", "2-4": "timing"}}}``
+    ``{"LlamaForCausalLM#0": {"49152x576@1t": {"1": "transposed", "2-4": "timing"}}}``
     (shape ``OxI``, ``+bias`` when it has one, torch threads)."""
     result: dict[str, dict[str, dict[str, str]]] = {}
     for (group, out, inp, bias, threads), trials in PLANS.items():

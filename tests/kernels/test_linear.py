@@ -7,6 +7,7 @@ import functools
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from hf_kvspec.kernels import copies, trials
@@ -207,7 +208,9 @@ def test_copies_no_bucket_chose_are_dropped(monkeypatch):
                          "transposed": [0.1] * (trials.SAMPLES - 1)}
         monkeypatch.setattr(trials, "PLANS", {key: {1: trial}})
         with DecodeKernels(net):
-            net[2](torch.randn(3, 320))  # the last timed call: transposed wins, the oneDNN copies go
+            for _ in KERNELS:  # the probe's turn on transposed completes the trial: the oneDNN copies go
+                net[2](torch.randn(3, 320))
+    assert trial.chosen == "transposed"
     assert copies.kernels_held(layer) == {"transposed"}
 
 
@@ -394,3 +397,59 @@ def test_each_model_is_timed_apart(monkeypatch):
         target(torch.randn(3, 256))
         draft(torch.randn(3, 256))
     assert set(plans()) == {trials.group_label(target), trials.group_label(draft)}
+
+
+def test_a_parameter_replaced_inside_a_context_is_not_served_a_stale_copy():
+    torch.manual_seed(0)
+    layer = nn.Linear(512, 512, bias=False)
+    x = torch.randn(2, 512)
+    with torch.no_grad(), DecodeKernels(layer, force=FAST[0]):
+        layer(x)
+        layer.weight = nn.Parameter(layer.weight.t())  # same memory, shape and version: only the tensor differs
+        _close(layer(x), F.linear(x, layer.weight))
+        for scale in (2.0, 3.0, 4.0):  # .data replaced again and again (module.to(), safe adapter merges)
+            layer.weight.data = layer.weight.data * scale
+            _close(layer(x), F.linear(x, layer.weight))
+
+
+def test_every_probe_times_every_kernel():
+    trial = trials.Trial(("stock", "transposed"))
+    layers = [object() for _ in range(trials.PROBES)]
+    seen = {id(layer): set() for layer in layers}
+    for _ in range(2):
+        for layer in layers:
+            seen[id(layer)].add(trial.next_kernel(layer))
+    assert all(kernels == {"stock", "transposed"} for kernels in seen.values())
+    assert trial.next_kernel(object()) is None  # a fifth layer runs stock, untimed
+
+
+def test_a_deleted_models_trials_are_forgotten(monkeypatch):
+    import gc
+
+    monkeypatch.setattr(trials, "PLANS", {})
+    net = _net()
+    label = trials.group_label(net)
+    with torch.no_grad(), DecodeKernels(net):
+        net(torch.randn(3, 256))
+    assert label in plans()
+    del net
+    gc.collect()
+    assert label not in plans()
+    assert trials.group_label(_net()) != label  # a new model, even at a reused address, starts afresh
+
+
+def test_a_dtype_change_inside_a_context_runs_stock():
+    net = _net()
+    with torch.no_grad(), DecodeKernels(net, force=FAST[-1]) as ctx:
+        net(torch.randn(2, 256))
+        net.double()
+        out = net(torch.randn(2, 256, dtype=torch.float64))
+    assert out.dtype == torch.float64 and ctx.calls[FAST[-1]] == 2
+
+
+def test_a_hook_installed_while_the_context_is_open_survives_its_exit():
+    net = _net()
+    with DecodeKernels(net, force=FAST[0]):
+        hooked = functools.partial(nn.Linear.forward, net[0])
+        net[0].forward = hooked
+    assert net[0].forward is hooked
