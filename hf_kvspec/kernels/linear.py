@@ -207,7 +207,7 @@ def _forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     if not stack or _needs_stock(weight, bias, x):
         return F.linear(x, weight, bias)
     rows, context = x.numel() // weight.shape[1], stack[-1]
-    hit = _resolved(context, module, rows)
+    hit = _resolved(context, module, weight, rows)
     if hit is not None:  # the fast path
         kernel, copy, trial = hit[0], hit[1], None
         context.calls[kernel] += 1
@@ -223,12 +223,11 @@ def _forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
-def _resolved(context: DecodeKernels, module: nn.Linear, rows: int) -> tuple | None:
+def _resolved(context: DecodeKernels, module: nn.Linear, weight: torch.Tensor, rows: int) -> tuple | None:
     """A settled call's (kernel, copy, ...) if the weight is still the very tensor it was settled for: the same
     Parameter, memory (its old storage is kept alive, so no new tensor can take the address), shape, strides,
     version, and the same thread count."""
     hit = context.resolved.get((id(module), rows))
-    weight = module.weight
     if hit is None or hit[2] is not weight or hit[4] != copies.identity(weight) or hit[5] != torch.get_num_threads():
         return None
     return hit
@@ -238,5 +237,5 @@ def _needs_stock(weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Tenso
     needs_grad = torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad
                                               or (bias is not None and bias.requires_grad))
     return (needs_grad or torch.is_autocast_enabled("cpu") or torch.compiler.is_compiling()
-            or weight.dtype != torch.float32 or weight.device.type != "cpu"  # converted while a context is open
+            or weight.dtype != torch.float32 or not weight.is_cpu  # converted while a context is open
             or x.dtype != weight.dtype or x.device != weight.device or x.shape[-1] != weight.shape[1])
