@@ -23,14 +23,29 @@ from torch import nn
 _SAMPLED_VALUES = 16
 
 
+@dataclass(frozen=True)
+class WeightStamp:
+    """Which weight tensor something was derived from, cheap to check on every call."""
+
+    param: weakref.ref  # the Parameter object
+    alias: torch.Tensor  # shares the weight's storage: keeps its address from being reused while we compare it
+    identity: tuple  # (data_ptr, version or None for inference tensors, shape, strides)
+
+    @classmethod
+    def of(cls, weight: torch.Tensor) -> WeightStamp:
+        return cls(weakref.ref(weight), weight.detach(), _identity(weight))
+
+    def matches(self, weight: torch.Tensor) -> bool:
+        """Still the same Parameter, memory, shape, strides and (in-place) version."""
+        return self.param() is weight and self.identity == _identity(weight)
+
+
 @dataclass
 class _Entry:
     """One module's copies and the weight they were made from."""
 
-    weight: weakref.ref  # the Parameter
-    alias: torch.Tensor  # shares the weight's storage: keeps its address from being reused while we compare it
+    stamp: WeightStamp
     key: tuple  # the trials' shape key (model, shape, threads) the copies serve
-    identity: tuple  # see ``identity``
     snapshot: torch.Tensor  # [_SAMPLED_VALUES] weight values at fixed flat positions
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
 
@@ -38,8 +53,7 @@ class _Entry:
 _STORE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # nn.Linear -> _Entry
 
 
-def identity(weight: torch.Tensor) -> tuple:
-    """(data_ptr, version or None for inference tensors, shape, strides): what a per-call check compares."""
+def _identity(weight: torch.Tensor) -> tuple:
     version = None if weight.is_inference() else weight._version
     return weight.data_ptr(), version, tuple(weight.shape), weight.stride()
 
@@ -54,7 +68,7 @@ def _snapshot(weight: torch.Tensor) -> torch.Tensor:
 def _current(module: nn.Linear) -> _Entry | None:
     """The module's entry if its copies still match the weight (cheap checks, every call); drops stale ones."""
     entry = _STORE.get(module)
-    if entry is not None and (entry.weight() is not module.weight or entry.identity != identity(module.weight)):
+    if entry is not None and not entry.stamp.matches(module.weight):
         del _STORE[module]
         return None
     return entry
@@ -80,8 +94,7 @@ def add(module: nn.Linear, kernel: str, copy: torch.Tensor, key: tuple) -> None:
     entry = _current(module)
     if entry is None:
         weight = module.weight
-        entry = _STORE[module] = _Entry(weakref.ref(weight), weight.detach(), key, identity(weight),
-                                        _snapshot(weight))
+        entry = _STORE[module] = _Entry(WeightStamp.of(weight), key, _snapshot(weight))
     entry.tensors[kernel] = copy
 
 
@@ -92,18 +105,18 @@ def prune(key: tuple, keep: set[str]) -> int:
         if entry.key == key:
             for kernel in [k for k in entry.tensors if k not in keep]:
                 del entry.tensors[kernel]
-                freed += _nbytes(module)
+                freed += nbytes(module)
     return freed
 
 
 def release(module: nn.Module) -> int:
     """Drop every copy of one module; returns bytes freed."""
     entry = _STORE.pop(module, None)
-    return 0 if entry is None else len(entry.tensors) * _nbytes(module)
+    return 0 if entry is None else len(entry.tensors) * nbytes(module)
 
 
 def held_bytes() -> int:
-    return sum(len(entry.tensors) * _nbytes(module) for module, entry in list(_STORE.items()))
+    return sum(len(entry.tensors) * nbytes(module) for module, entry in list(_STORE.items()))
 
 
 def kernels_held(module: nn.Module) -> set[str]:
@@ -111,8 +124,9 @@ def kernels_held(module: nn.Module) -> set[str]:
     return set() if entry is None else set(entry.tensors)
 
 
-def _nbytes(module: nn.Module) -> int:
-    return module.weight.numel() * module.weight.element_size()  # a copy is the size of its weight
+def nbytes(module: nn.Module) -> int:
+    """Bytes of one weight copy of ``module`` (a copy is the size of its weight)."""
+    return module.weight.numel() * module.weight.element_size()
 
 
 def available_bytes() -> int:

@@ -22,8 +22,7 @@ The swap belongs to the model, not to a thread: another thread's calls on the sa
 
 Memory: each copy is the size of its weight. While a bucket is being timed the few layers of a shape that are
 timed (``trials.PROBES``) may hold a transposed and a oneDNN copy; afterwards only the kernels some bucket of its
-shape chose stay (the LM head may keep both: one
-for 1 row, one for several). A context never lets the copies of all models exceed ``memory_fraction`` of the
+shape chose stay (the LM head may keep both: one for 1 row, one for several). A context never lets the copies of all models exceed ``memory_fraction`` of the
 memory available when it opened (plus what copies already held); past that a layer stays stock, with one
 warning. Reproducibility: which kernel wins is timed on this machine, so fp32 rounding (and, in near ties, a
 greedy token) can differ between machines or runs; ``force=`` or ``decode_kernels=False`` pins the kernel.
@@ -37,6 +36,7 @@ import functools
 import time
 import warnings
 import weakref
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -49,6 +49,15 @@ from hf_kvspec.kernels.trials import BUCKETS, Trial, bucket_of, group_label, ker
 __all__ = ["KERNELS", "DecodeKernels", "decode_kernels", "onednn_available", "plans", "release_decode_kernels"]
 
 _INSTALLED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # nn.Linear -> open contexts, innermost last
+
+
+class _Settled(NamedTuple):
+    """A module's kernel for one row count that no longer changes, and what it was settled for."""
+
+    kernel: str
+    copy: torch.Tensor | None
+    stamp: copies.WeightStamp
+    threads: int
 
 
 class DecodeKernels:
@@ -79,8 +88,7 @@ class DecodeKernels:
         self.models, self.max_rows, self.force = models, max_rows, force
         self.memory_fraction, self.min_weight_elements = memory_fraction, min_weight_elements
         self.modules: list[nn.Linear] = []
-        # (id(module), rows) -> (kernel, copy, weight, storage alias, identity, threads) of settled calls
-        self.resolved: dict[tuple[int, int], tuple] = {}
+        self.resolved: dict[tuple[int, int], _Settled] = {}  # (id(module), rows) -> settled kernel
         self.groups: dict[int, str] = {}  # id(module) -> label of the model it was reached from
         self.allocated = 0  # bytes of weight copies this context made
         self.calls = dict.fromkeys(KERNELS, 0)  # linear calls per kernel while this context was innermost
@@ -132,16 +140,15 @@ class DecodeKernels:
                 settle(key)
             kernel, trial = "stock", None
         if final:  # later calls of this module with as many rows skip the lookups (``_resolved``)
-            weight = module.weight
-            self.resolved[id(module), rows] = (kernel, copy, weight, weight.detach(), copies.identity(weight),
-                                               torch.get_num_threads())
+            self.resolved[id(module), rows] = _Settled(kernel, copy, copies.WeightStamp.of(module.weight),
+                                                       torch.get_num_threads())
         self.calls[kernel] += 1
         return kernel, copy, trial
 
     def _copy(self, module: nn.Linear, kernel: str, key: tuple) -> torch.Tensor | None:
         copy = copies.get(module, kernel, key)
         if copy is None:
-            size = module.weight.numel() * module.weight.element_size()
+            size = copies.nbytes(module)
             if copies.held_bytes() + size > self._budget:
                 self._warn_memory(size)
                 return None
@@ -209,7 +216,7 @@ def _forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     rows, context = x.numel() // weight.shape[1], stack[-1]
     hit = _resolved(context, module, weight, rows)
     if hit is not None:  # the fast path
-        kernel, copy, trial = hit[0], hit[1], None
+        kernel, copy, trial = hit.kernel, hit.copy, None
         context.calls[kernel] += 1
     else:
         kernel, copy, trial = context.kernel_for(module, rows)
@@ -223,12 +230,11 @@ def _forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
-def _resolved(context: DecodeKernels, module: nn.Linear, weight: torch.Tensor, rows: int) -> tuple | None:
-    """A settled call's (kernel, copy, ...) if the weight is still the very tensor it was settled for: the same
-    Parameter, memory (its old storage is kept alive, so no new tensor can take the address), shape, strides,
-    version, and the same thread count."""
+def _resolved(context: DecodeKernels, module: nn.Linear, weight: torch.Tensor, rows: int) -> _Settled | None:
+    """The settled kernel for this call if the weight is still the very tensor it was settled for (``WeightStamp``)
+    and the thread count is unchanged."""
     hit = context.resolved.get((id(module), rows))
-    if hit is None or hit[2] is not weight or hit[4] != copies.identity(weight) or hit[5] != torch.get_num_threads():
+    if hit is None or not hit.stamp.matches(weight) or hit.threads != torch.get_num_threads():
         return None
     return hit
 
