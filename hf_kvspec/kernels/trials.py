@@ -38,7 +38,7 @@ class Trial:
     key: tuple = ()  # the shape key this trial decides for (see ``shape_key``)
     seconds: dict[str, list[float]] = field(default_factory=dict)
     chosen: str | None = None
-    probes: dict[int, int] = field(default_factory=dict)  # id() of a timed module -> its timed calls so far
+    probes: dict[int, int] = field(default_factory=dict)  # id() of a timed module -> its next turn (offset + calls)
 
     def next_kernel(self, module: object) -> str | None:
         """The kernel ``module``'s next call should time, or None when ``module`` is not one of the probes (it

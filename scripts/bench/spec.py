@@ -25,7 +25,7 @@ linear calls through the fastest of three measured kernels). To show what that c
 
 Stand-in drafts (no trained drafter exists offline; REFERENCE.md §8):
     int8          the target with every nn.Linear dynamically quantized to int8 (per-channel weights,
-                  torch.ao quantize_dynamic): same tokenizer, useful agreement, ~0.8x the target's step cost
+                  torch.ao quantize_dynamic): same tokenizer, useful agreement, about the target's step cost on this CPU
     bf16          the target cast to bfloat16 (agrees almost always; ~0.85x the cost)
     truncated:N   the target's first N layers + final norm + LM head (cheap for small N, agrees rarely)
 
