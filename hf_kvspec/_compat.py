@@ -137,3 +137,27 @@ def cache_is_user_defined(cache) -> bool:
     """Whether ``generate`` received ``cache`` from its caller (transformers 5.24 ``_prepare_cache_for_generation``
     marks such caches ``_is_user_defined``) rather than creating it for this call."""
     return bool(getattr(cache, "_is_user_defined", False))
+
+
+# --- caches (hf_kvspec.cache) ---------------------------------------------------------------------------------------
+
+def layer_types_and_kwargs(config) -> tuple[list[str], list[dict]]:
+    """Per-layer attention types (``"full_attention"``, ``"sliding_attention"``, ...) and the keyword arguments
+    transformers would build each cache layer with (e.g. ``sliding_window``).
+
+    Private: ``transformers.cache_utils.get_layer_types_and_kwargs`` (not exported).
+    """
+    from transformers.cache_utils import get_layer_types_and_kwargs
+
+    return get_layer_types_and_kwargs(config)
+
+
+def sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs):
+    """transformers' own SDPA attention function (what ``attn_implementation="sdpa"`` dispatches to).
+
+    Private: ``transformers.integrations.sdpa_attention.sdpa_attention_forward``; the public route,
+    ``AttentionInterface()["sdpa"]``, returns the same function (checked by a canary test).
+    """
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward as forward
+
+    return forward(module, query, key, value, attention_mask, **kwargs)

@@ -1,1 +1,37 @@
-"""cache subpackage; public names are re-exported from hf_kvspec."""
+"""KV caches of hf_kvspec, and the one contract every cache here obeys.
+
+Boundary: storage of keys/values and the bookkeeping that rolls it back. Attention math lives in
+``hf_kvspec.attention`` (and ``quantized_attention.py`` for the codes); which tokens to keep is decided by the
+speculative loop. Public names are re-exported from ``hf_kvspec``.
+
+The cache contract
+==================
+Every cache we ship (``PagedCache``, ``QuantizedKVCache``) is a transformers ``Cache`` of ``CacheLayerMixin``
+layers with ``DynamicCache`` semantics, plus the operations below. ``contract.py`` offers the same operations as
+functions over *any* cache, so callers never branch on the type: ours forward to the methods, transformers'
+``DynamicCache`` / ``StaticCache`` are edited through their public ``layers[i].keys`` / ``.values`` tensors.
+
+C1  **Append.** ``update(keys, values, layer_idx, kwargs=...)`` appends ``[B, Hkv, T, D]`` at the end of layer
+    ``layer_idx`` and returns what that layer's attention reads. All rows of a layer share one length
+    (transformers batches are rectangular); rows that hold fewer real tokens carry masked holes.
+C2  **Per-layer lengths.** Each layer has its own length, ``get_seq_length(layer_idx)``; layers may differ
+    (self-speculation appends draft tokens to layers ``0..E-1`` only). Nothing infers "the first layer of a
+    forward" from equal lengths.
+C3  **Roll back.** ``crop(-k)`` removes the newest ``k`` tokens of every layer (each from its own length; a
+    positive argument is refused, as in ``DynamicCache``). ``crop_layers(length, layers)`` keeps the first
+    ``length`` tokens of the given layers only.
+C4  **Keep positions.** ``keep_positions(start, indices, layers=None)``: ``indices`` ``[B, k]`` (int64, ascending
+    per row, each in ``0..n-1`` for a newest segment of ``n = get_seq_length(layer) - start`` tokens) moves, in
+    every row, position ``start + indices[b, j]`` to ``start + j`` and drops the rest of the segment: afterwards
+    each layer holds ``start + k`` tokens. Rows that keep fewer than ``k`` tokens repeat an index (any valid one);
+    the caller masks those holes, as the chain loop does. Shared storage is never written (paged: copy-on-write).
+C5  **Batch edits.** ``reorder_cache``, ``batch_select_indices``, ``batch_repeat_interleave``, ``reset``.
+C6  **Refuse early.** An operation a cache cannot perform raises ``ValueError`` naming the rule and the fix before
+    anything changes (e.g. ``QuantizedKVCache.keep_positions`` on a segment already flushed into codes).
+
+The one side channel (``channel.py``): when the model's attention implementation is one of ours that reads a
+cache's stored form (``kvspec_paged`` reads pages through block tables, ``kvspec_quant`` reads codes), the cache
+layer hands a ``StoredKV`` object to it through the kwargs transformers passes from ``cache.update`` to the
+attention function — one key, one owner (the cache layer writes it, our attention functions read it). With any
+other attention implementation ``update`` returns dense ``[B, Hkv, S, D]`` keys/values that any attention reads.
+"""
