@@ -26,7 +26,6 @@ from transformers import DynamicCache
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from hf_kvspec import _compat
-from hf_kvspec.kernels.linear import DecodeKernels
 from hf_kvspec.speculative.buffer import TokenBuffer
 from hf_kvspec.speculative.drafters.base import DraftContext, Drafter, DraftProposal, RoundOutcome
 from hf_kvspec.speculative.positions import History, PositionwiseProcessor, PositionwiseStopper
@@ -48,7 +47,7 @@ class SpeculativeGenerateOutput(GenerateDecoderOnlyOutput):
 
 
 def speculative_generate(model, input_ids, logits_processor, stopping_criteria, generation_config,
-                         assistant: Drafter | None = None, decode_kernels: bool = True, synced_gpus: bool = False,
+                         assistant: Drafter | None = None, decode_kernels: bool = False, synced_gpus: bool = False,
                          **model_kwargs):
     """``custom_generate`` entry point: ``model.generate(..., custom_generate=speculative_generate, assistant=A)``.
 
@@ -56,10 +55,11 @@ def speculative_generate(model, input_ids, logits_processor, stopping_criteria, 
     replaces only its decoding loop. Returns what ``generate`` returns (a ``SpeculativeGenerateOutput`` with
     ``.acceptance`` when ``return_dict_in_generate=True``).
 
-    ``decode_kernels`` (default True): on CPU, fp32 linear layers of the target and of the drafter's models run
-    few-row calls (verify forwards, draft forwards) through the fastest measured kernel
-    (``hf_kvspec.kernels.linear``; same math, different summation order, extra memory for weight copies).
-    False keeps torch's stock kernels.
+    ``decode_kernels`` (default False, opt-in, CPU only): True runs the few-row fp32 linear calls of the target
+    and of the drafter's models (verify forwards, draft forwards) through the fastest measured kernel
+    (``hf_kvspec.kernels``). Same math in a different summation order (outputs may differ in the last bits),
+    weight copies held beside the model, ``nn.Linear.forward`` patched on those module instances while the call
+    runs. False (the default, the reference) keeps torch's stock kernels and never imports ``hf_kvspec.kernels``.
     """
     if assistant is None:
         raise ValueError("speculative_generate needs an assistant: generate(..., custom_generate="
@@ -69,9 +69,15 @@ def speculative_generate(model, input_ids, logits_processor, stopping_criteria, 
         raise NotImplementedError("speculative_generate does not support synced_gpus (DeepSpeed ZeRO-3 / FSDP).")
     decoder = SpeculativeDecoder(model, assistant, logits_processor, stopping_criteria, generation_config,
                                  streamer=_compat.generate_call_streamer())
-    kernels = DecodeKernels(model, *assistant.kernel_modules()) if decode_kernels else contextlib.nullcontext()
-    with kernels:
+    with _decode_kernels(model, assistant) if decode_kernels else contextlib.nullcontext():
         return decoder.run(input_ids, model_kwargs)
+
+
+def _decode_kernels(model, assistant: Drafter):
+    """The opt-in kernels' context over the target and the drafter's models (imported only when asked for)."""
+    from hf_kvspec.kernels.linear import DecodeKernels
+
+    return DecodeKernels(model, *assistant.kernel_modules())
 
 
 class SpeculativeDecoder:

@@ -1,16 +1,21 @@
-"""The loop's decode kernels (``decode_kernels=True``, the default): greedy output stays token-identical to
-``generate(do_sample=False)`` whichever kernel runs the verify and draft forwards; ``False`` keeps stock."""
+"""The loop's decode kernels (``decode_kernels=True``, opt-in): greedy output stays token-identical to
+``generate(do_sample=False)`` whichever kernel runs the verify and draft forwards; ``False`` (the default) keeps
+stock. The loop imports ``DecodeKernels`` from ``hf_kvspec.kernels.linear`` only when asked, so the tests replace
+it there."""
 
 from __future__ import annotations
 
 import functools
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
 import hf_kvspec
+from hf_kvspec.kernels import linear
 from hf_kvspec.kernels.linear import KERNELS, DecodeKernels, onednn_available
-from hf_kvspec.speculative import loop
 from tests.speculative.helpers import batch, drafts_for
 
 FAST = [k for k in KERNELS if k != "stock" and (k != "onednn" or onednn_available())]
@@ -42,20 +47,21 @@ def test_forced_kernels_keep_greedy_identical(models, kernel, bs, monkeypatch):
         made.append(DecodeKernels(*models, force=kernel, min_weight_elements=0, **options))
         return made[-1]
 
-    monkeypatch.setattr(loop, "DecodeKernels", forced)
+    monkeypatch.setattr(linear, "DecodeKernels", forced)
     for name in ("partial", "right"):
         assistant = hf_kvspec.DraftModelAssistant(drafts[name], num_draft_tokens=4)
-        out = target.generate(ids, custom_generate=hf_kvspec.speculative_generate, assistant=assistant, **kw)
+        out = target.generate(ids, custom_generate=hf_kvspec.speculative_generate, assistant=assistant,
+                              decode_kernels=True, **kw)
         assert torch.equal(out, expected), name
         assert made[-1].calls[kernel] > 0  # the fast kernel really ran
     assert "forward" not in vars(target.lm_head)  # restored after the call
 
 
-def test_target_and_draft_linears_are_swapped_by_default_and_not_with_false(models, monkeypatch):
+def test_target_and_draft_linears_are_swapped_with_true_and_not_with_false(models, monkeypatch):
     """The loop opens DecodeKernels over the target and the draft (tiny layers count here: threshold 0)."""
     target, drafts = models
     ids, mask = batch(1)
-    monkeypatch.setattr(loop, "DecodeKernels", functools.partial(DecodeKernels, min_weight_elements=0))
+    monkeypatch.setattr(linear, "DecodeKernels", functools.partial(DecodeKernels, min_weight_elements=0))
     target_seen, target_hook = _swaps(target.lm_head)
     draft_seen, draft_hook = _swaps(drafts["partial"].lm_head)
     try:
@@ -73,13 +79,17 @@ def test_target_and_draft_linears_are_swapped_by_default_and_not_with_false(mode
 def test_enable_path_passes_decode_kernels_through(models, monkeypatch):
     target, _ = models
     ids, mask = batch(1)
-    monkeypatch.setattr(loop, "DecodeKernels", functools.partial(DecodeKernels, min_weight_elements=0))
+    monkeypatch.setattr(linear, "DecodeKernels", functools.partial(DecodeKernels, min_weight_elements=0))
     seen, handle = _swaps(target.lm_head)
     hf_kvspec.enable(target)
     try:
         target.generate(ids, attention_mask=mask, max_new_tokens=6, pad_token_id=0, do_sample=False,
                         assistant=hf_kvspec.NgramAssistant(), decode_kernels=False)
         assert seen and not any(seen)
+        seen.clear()
+        target.generate(ids, attention_mask=mask, max_new_tokens=6, pad_token_id=0, do_sample=False,
+                        assistant=hf_kvspec.NgramAssistant(), decode_kernels=True)
+        assert seen and all(seen)
     finally:
         hf_kvspec.disable(target)
         handle.remove()
@@ -88,7 +98,7 @@ def test_enable_path_passes_decode_kernels_through(models, monkeypatch):
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_sampling_with_forced_kernels_draws_what_stock_draws(seed, monkeypatch):
     """Same seed, same draws: the kernels change logits only by fp32 rounding, far below what moves a sample
-    (the exact-distribution tests in test_sampling.py run with the default, timed kernels)."""
+    (the exact-distribution tests in test_sampling.py run with the default, stock kernels)."""
     target, drafts = drafts_for("llama")
     ids, mask = batch(4)
 
@@ -99,5 +109,51 @@ def test_sampling_with_forced_kernels_draws_what_stock_draws(seed, monkeypatch):
                                assistant=hf_kvspec.DraftModelAssistant(drafts["partial"], num_draft_tokens=4))
 
     stock = sample(False)
-    monkeypatch.setattr(loop, "DecodeKernels", functools.partial(DecodeKernels, force=FAST[-1], min_weight_elements=0))
+    monkeypatch.setattr(linear, "DecodeKernels", functools.partial(DecodeKernels, force=FAST[-1], min_weight_elements=0))
     assert torch.equal(sample(True), stock)
+
+
+def test_default_is_stock(models, monkeypatch):
+    """Without ``decode_kernels=`` no linear of the target or the draft is swapped."""
+    target, drafts = models
+    ids, mask = batch(1)
+    monkeypatch.setattr(linear, "DecodeKernels", functools.partial(DecodeKernels, min_weight_elements=0))
+    target_seen, target_hook = _swaps(target.lm_head)
+    draft_seen, draft_hook = _swaps(drafts["partial"].lm_head)
+    try:
+        target.generate(ids, attention_mask=mask, max_new_tokens=8, pad_token_id=0, do_sample=False,
+                        custom_generate=hf_kvspec.speculative_generate,
+                        assistant=hf_kvspec.DraftModelAssistant(drafts["partial"], num_draft_tokens=3))
+        assert target_seen and not any(target_seen)
+        assert draft_seen and not any(draft_seen)
+    finally:
+        target_hook.remove(), draft_hook.remove()
+
+
+_NOT_IMPORTED = """
+import sys
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+import hf_kvspec
+torch.manual_seed(0)
+config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2)
+model = LlamaForCausalLM(config).eval()
+ids = torch.randint(1, 64, (1, 6))
+kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+model.generate(ids, custom_generate=hf_kvspec.speculative_generate,
+               assistant=hf_kvspec.DraftModelAssistant(model, num_draft_tokens=3), **kw)
+hf_kvspec.enable(model)
+out = model.generate(ids, assistant=hf_kvspec.NgramAssistant(), return_dict_in_generate=True, **kw)
+assert out.acceptance.target_forwards > 0, "the speculative loop did not run"
+print(sorted(name for name in sys.modules if name.startswith("hf_kvspec.kernels")))
+"""
+
+
+def test_default_generate_does_not_import_the_kernels():
+    """A fresh interpreter: importing hf_kvspec and a speculative generate with default settings (both entry
+    points) leaves ``hf_kvspec.kernels`` unimported."""
+    done = subprocess.run([sys.executable, "-c", _NOT_IMPORTED], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "[]"
