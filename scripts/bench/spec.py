@@ -17,17 +17,20 @@ plus ours/draft-auto (same draft, K chosen per round; may fall back to plain dec
 summarization prompts ours/ngram (K fixed, and ours/ngram-auto) vs plain generate (transformers' assisted
 decoding is bs=1 only).
 
-Ours runs its forwards with the decode kernels by default (``hf_kvspec/kernels/linear.py``: few-row fp32 CPU
-linear calls through the fastest of three measured kernels). To show what that contributes, opt-in variants:
-    ours/draft-stock, ours/ngram-stock           ours with decode_kernels=False (torch's stock kernels)
+Both settings of the opt-in decode kernels (``hf_kvspec/kernels/``: few-row fp32 CPU linear calls through the
+fastest of three measured kernels) are reported:
+    ours/draft, ours/ngram, ...                  as shipped: decode_kernels=False (torch's stock kernels)
+    ours/draft+kernels, ours/ngram+kernels       the same loop with decode_kernels=True
+and, to read the loop's share and the kernels' share apart, the other loops with the kernels:
     hf/draft+kernels, hf/ngram+kernels,          transformers' loop / plain generate inside
     plain+kernels                                ``hf_kvspec.DecodeKernels(target, draft)``
 
 Stand-in drafts (no trained drafter exists offline; REFERENCE.md §8):
     int8          the target with every nn.Linear dynamically quantized to int8 (per-channel weights,
-                  torch.ao quantize_dynamic): same tokenizer, useful agreement, about the target's step cost on this CPU
-    bf16          the target cast to bfloat16 (agrees almost always; ~0.85x the cost)
+                  torch.ao quantize_dynamic): same tokenizer, useful agreement, not cheaper than the target on CPU
+    bf16          the target cast to bfloat16 (agrees almost always; barely cheaper on CPU)
     truncated:N   the target's first N layers + final norm + LM head (cheap for small N, agrees rarely)
+(measured agreement and cost of each: docs/speculative.md, "Drafts")
 
 Fairness: every repeat runs all methods once, in an order rotated per repeat (drift hits all methods alike); the
 median of the repeats is reported. Forward hooks on the target and the draft count and time every forward, so each
@@ -45,7 +48,18 @@ import warnings
 import torch
 
 from bench.harness import Report
-from bench.spec_report import COLUMNS, COMMON_NOTES, KERNEL_VARIANTS, METHODS, TITLE, add_rows, combine, headlines
+from bench.spec_report import (
+    COLUMNS,
+    COMMON_NOTES,
+    KERNEL_VARIANTS,
+    METHODS,
+    STOCK_DEFAULT,
+    STOCK_DEFAULT_KEY,
+    TITLE,
+    add_rows,
+    combine,
+    headlines,
+)
 
 _TEXT_A = (
     "The city council met on Tuesday to discuss the new bicycle lanes planned for the river district. Supporters "
@@ -94,7 +108,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--methods", default=",".join(METHODS),
                         help="comma list of bs=1 methods; also " + ",".join(KERNEL_VARIANTS))
     parser.add_argument("--skip-batch", action="store_true", help="skip the bs=4 comparison")
-    parser.add_argument("--batch-methods", default="plain,ours/ngram,ours/ngram-auto", help="comma list at bs=4")
+    parser.add_argument("--batch-methods", default="plain,ours/ngram,ours/ngram-auto,ours/ngram+kernels",
+                        help="comma list at bs=4")
     parser.add_argument("--part", default="", help="write spec.PART.{json,md} (merge them with --combine)")
     parser.add_argument("--combine", action="store_true", help="merge spec.*.json parts into spec.{json,md,png}")
 
@@ -175,11 +190,11 @@ def _call(method, model, draft, inputs, sampling, args):
     """One generate call; returns the sequences."""
     import hf_kvspec
 
-    if method.endswith("+kernels"):  # another loop, with the decode kernels ours uses by default
+    kernels = method.endswith("+kernels")  # the opt-in decode kernels
+    method = method.removesuffix("+kernels")
+    if kernels and not method.startswith("ours/"):  # another loop inside the same kernels' context
         with hf_kvspec.DecodeKernels(model, draft):
-            return _call(method.removesuffix("+kernels"), model, draft, inputs, sampling, args)
-    kernels = not method.endswith("-stock")
-    method = method.removesuffix("-stock")
+            return _call(method, model, draft, inputs, sampling, args)
     common = dict(**inputs, max_new_tokens=args.new_tokens, **sampling)
     if method == "plain":
         return model.generate(**common)
@@ -195,6 +210,16 @@ def _call(method, model, draft, inputs, sampling, args):
         assistant = hf_kvspec.NgramAssistant(max_ngram=3, num_draft_tokens=k)
     return model.generate(**common, custom_generate=hf_kvspec.speculative_generate, assistant=assistant,
                           decode_kernels=kernels)
+
+
+def _checked(methods: list[str]) -> list[str]:
+    """Refuse a method name ``_call`` does not know (e.g. the old ``ours/*-stock``, now plain ``ours/*``)."""
+    known = {*METHODS, *KERNEL_VARIANTS, "ours/ngram-auto", "ours/draft-auto+kernels", "ours/ngram-auto+kernels"}
+    unknown = [m for m in methods if m not in known]
+    if unknown:
+        raise SystemExit(f"unknown method(s) {unknown}; choose from {sorted(known)} (ours/* runs stock kernels, "
+                         f"ours/*+kernels the opt-in decode kernels)")
+    return methods
 
 
 def _new_tokens(sequences: torch.Tensor, prompt_len: int, eos_id: int) -> int:
@@ -244,12 +269,13 @@ def run(args) -> None:
     draft, description = make_draft(model, args.draft)
     eos_id = model.generation_config.eos_token_id
     eos_id = eos_id[0] if isinstance(eos_id, list) else eos_id
-    methods = [m for m in args.methods.split(",") if m]
+    methods = _checked([m for m in args.methods.split(",") if m])
     modes = [m for m in args.modes.split(",") if m]
     timers = (_ForwardTimer(model), _ForwardTimer(draft))
     name = f"spec.{args.part}" if args.part else "spec"
     report = Report(name, TITLE, COLUMNS,
                     settings=vars(args) | {"model": "smollm2-135m-instruct fp32", "threads": torch.get_num_threads(),
+                                           STOCK_DEFAULT_KEY: STOCK_DEFAULT,
                                            "hf_assistant": "num_assistant_tokens=K, schedule=constant, "
                                                            "assistant_confidence_threshold=0"})
     with torch.inference_mode():  # warm up every path once
@@ -266,7 +292,7 @@ def run(args) -> None:
                 continuations.append((results["plain"]["sequences"], inputs["input_ids"].shape[1]))
     if not args.skip_batch:
         inputs = _chat_inputs(tokenizer, BATCH_SUMMARIES)
-        results = _measure_cell(args.batch_methods.split(","), model, draft, inputs, {"do_sample": False}, args,
+        results = _measure_cell(_checked(args.batch_methods.split(",")), model, draft, inputs, {"do_sample": False}, args,
                                 timers, eos_id)
         add_rows(report, 4, "greedy", "-", "summarize x4", results)
     if not continuations:  # agreement on the target's greedy answers to the prompts
@@ -285,8 +311,8 @@ def run(args) -> None:
 
 
 def _run_tiny(args) -> None:
-    """The loop-bound regime (REFERENCE.md §9): forwards of a 2-layer, 64-wide Llama take ~1 ms, so what each loop
-    does around them decides; the draft is the target's own weights (always right, tau = K + 1)."""
+    """The loop-bound regime (REFERENCE.md §9): forwards of a 2-layer, 64-wide Llama cost so little that what each
+    loop does around them decides; the draft is the target's own weights (always right, tau = K + 1)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -295,11 +321,11 @@ def _run_tiny(args) -> None:
     model = LlamaForCausalLM(config).eval()
     model.generation_config.eos_token_id = None  # random weights: always generate the full length
     draft = copy.deepcopy(model)
-    methods = ["plain", "ours/draft", "hf/draft", "ours/draft-stock"]
+    methods = ["plain", "ours/draft", "hf/draft", "ours/draft+kernels"]
     timers = (_ForwardTimer(model), _ForwardTimer(draft))
     report = Report(f"spec.{args.part or 'tiny'}", TITLE, COLUMNS,
                     settings=vars(args) | {"model": "random Llama, 2 layers, hidden 64, vocab 256",
-                                           "threads": torch.get_num_threads()})
+                                           "threads": torch.get_num_threads(), STOCK_DEFAULT_KEY: STOCK_DEFAULT})
     with torch.inference_mode():
         warm = {"input_ids": torch.ones(1, 4, dtype=torch.long), "pad_token_id": 0}
         for method in methods:

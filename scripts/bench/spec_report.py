@@ -9,24 +9,31 @@ import torch
 
 from bench.harness import RESULTS_DIR, Report, save_plot
 
-METHODS = ("plain", "ours/draft", "hf/draft", "ours/draft-auto", "ours/ngram", "hf/ngram")
-#: transparency variants: ours without its decode kernels, the others with them (hf_kvspec/kernels/linear.py)
-KERNEL_VARIANTS = ("ours/draft-stock", "hf/draft+kernels", "ours/ngram-stock", "hf/ngram+kernels", "plain+kernels")
+#: ours as shipped (decode_kernels=False, torch's stock kernels) and ours with the opt-in decode kernels (+kernels)
+METHODS = ("plain", "ours/draft", "hf/draft", "ours/draft-auto", "ours/ngram", "hf/ngram",
+           "ours/draft+kernels", "ours/ngram+kernels")
+#: transparency variants: the other loops inside hf_kvspec.DecodeKernels(target, draft) (hf_kvspec/kernels/)
+KERNEL_VARIANTS = ("hf/draft+kernels", "hf/ngram+kernels", "plain+kernels")
+#: settings key that marks a part measured with the kernels off by default (parts without it are older)
+STOCK_DEFAULT_KEY = "ours_default"
+STOCK_DEFAULT = "decode_kernels=False; +kernels rows: decode_kernels=True"
 COLUMNS = ["batch", "mode", "draft", "prompt", "method", "new_tokens", "seconds", "tokens_per_s", "tau",
            "draft_fwd_per_target_fwd", "loop_ms_per_target_fwd", "speed_vs_plain", "speed_vs_hf_same_drafter",
            "equals_plain"]
 TITLE = "Speculative decoding on SmolLM2-135M (CPU): tau and speed vs plain and vs transformers"
 #: (ours, theirs) pairs summarised in the headlines, when both ran
 HEADLINE_PAIRS = (("ours/draft", "hf/draft"), ("ours/draft-auto", "hf/draft"), ("ours/ngram", "hf/ngram"),
-                  ("ours/draft-stock", "hf/draft"), ("ours/draft", "hf/draft+kernels"),
-                  ("ours/ngram-stock", "hf/ngram"), ("ours/ngram", "hf/ngram+kernels"), ("plain+kernels", "plain"))
+                  ("ours/draft+kernels", "hf/draft"), ("ours/draft-auto+kernels", "hf/draft"),
+                  ("ours/draft+kernels", "hf/draft+kernels"),
+                  ("ours/ngram+kernels", "hf/ngram"), ("ours/ngram+kernels", "hf/ngram+kernels"),
+                  ("plain+kernels", "plain"))
 
 
 def rival(method: str) -> str | None:
     """transformers' assisted generation with the same drafter (stock kernels) for one of our methods."""
     if not method.startswith("ours/"):
         return None
-    return "hf/" + method.removeprefix("ours/").split("-")[0]
+    return "hf/" + method.removeprefix("ours/").split("-")[0].split("+")[0]
 
 
 def add_rows(report, batch, mode, draft, prompt, results) -> None:
@@ -84,13 +91,30 @@ def combine() -> None:
     for path in parts:
         payload = json.loads(path.read_text())
         part = path.name.removeprefix("spec.").removesuffix(".json")
-        report.rows += [row | {"part": part} for row in payload["rows"]]
-        report.notes += [f"[{part}] {note}" for note in payload["notes"] if note not in COMMON_NOTES]
+        rows, notes = payload["rows"], [note for note in payload["notes"] if note not in COMMON_NOTES]
+        if STOCK_DEFAULT_KEY not in payload["settings"]:
+            rows, notes = _relabel_kernels_default_part(rows, notes)
+        report.rows += [row | {"part": part} for row in rows]
+        report.notes += [f"[{part}] {note}" for note in notes]
         report.settings[part] = payload["settings"] | {"date": payload["environment"]["date"]}
     report.columns = ["part", *COLUMNS]
     report.notes = COMMON_NOTES + report.notes
     report.write()
     save_plot("spec", lambda fig: _draw(fig, report.rows))
+
+
+def _relabel_kernels_default_part(rows: list[dict], notes: list[str]) -> tuple[list[dict], list[str]]:
+    """A part measured while ours ran the decode kernels by default: ``ours/X`` -> ``ours/X+kernels``,
+    ``ours/X-stock`` -> ``ours/X``, so merged tables use today's names; its headlines are recomputed."""
+    def name(method: str) -> str:
+        if not method.startswith("ours/"):
+            return method
+        return method.removesuffix("-stock") if method.endswith("-stock") else method + "+kernels"
+
+    rows = [row | {"method": name(row["method"])} for row in rows]
+    kept = [n for n in notes if not n.startswith(("bs=1 ", "bs=4 ")) and "on by default" not in n]
+    return rows, kept + headlines(rows) + [
+        "Measured when ours ran the decode kernels by default; rows relabelled to today's names."]
 
 
 COMMON_NOTES = [
@@ -104,16 +128,22 @@ COMMON_NOTES = [
     "equals_plain: greedy output token-identical to plain generate (sampling modes draw different tokens).",
     "Runs of 2026-12-01 on an otherwise idle 2-core machine (a few short unit-test runs overlapped some cells); "
     "ratios come from the same run, absolute speeds vary by about 5% between runs.",
-    "Ours runs with its decode kernels (hf_kvspec/kernels/, on by default); -stock = ours with "
-    "decode_kernels=False; +kernels = that loop inside hf_kvspec.DecodeKernels(target, draft).",
+    "ours/* = speculative_generate as shipped (decode_kernels=False: torch's stock kernels); "
+    "ours/*+kernels = the same loop with the opt-in CPU decode kernels (decode_kernels=True); "
+    "hf/*+kernels, plain+kernels = that loop inside hf_kvspec.DecodeKernels(target, draft).",
 ]
+
+
+def _method_order(row: dict) -> int:
+    known = (*METHODS, *KERNEL_VARIANTS)
+    return known.index(row["method"]) if row["method"] in known else len(known)
 
 
 def _draw(fig, rows) -> None:
     ax = fig.add_subplot(1, 1, 1)
     single = [r for r in rows if r["batch"] == 1]
     bars = list(dict.fromkeys((r["part"], r["mode"]) for r in single))
-    labels = [m for m in (*METHODS, *KERNEL_VARIANTS) if any(r["method"] == m for r in single)]
+    labels = list(dict.fromkeys(r["method"] for r in sorted(single, key=_method_order)))
     width = 0.8 / max(len(bars), 1)
     for offset, (part, mode) in enumerate(bars):
         cell = [r for r in single if r["part"] == part and r["mode"] == mode]
