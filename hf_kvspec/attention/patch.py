@@ -4,11 +4,21 @@ Boundary: bookkeeping only. The patch itself (switching an attention implementat
 module's forward) is done by its own module, which hands this class the closure that undoes it. The shared steps of
 the attention implementations (register a forward + mask under a name, undo that, switch a loaded model to it) live
 here once, for ``kvspec_gqa``, ``kvspec_paged`` and ``kvspec_quant`` alike.
+
+One rule for every patch: a model holds at most one active patch of each kind (one attention switch:
+``enable_gqa``, ``enable_quantized_attention``, ...; one MLA absorption). A second ``enable_*`` of the same kind
+while a handle is active is refused with a ``ValueError`` naming that handle (as ``enable_mla_absorb`` refuses
+a second absorb), so whatever order handles are removed in, removing them all restores the original.
+``switch_attention`` keeps the record of active switches.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
+
+# model -> its active attention switch; weak, so a forgotten model takes its record with it
+_active_switches: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 class AttentionPatch:
@@ -69,12 +79,27 @@ def unregister_attention(name: str, saved: dict) -> None:
 
 
 def switch_attention(model, name: str) -> AttentionPatch:
-    """Switch a loaded model to the registered implementation ``name``; ``.remove()`` switches back."""
+    """Switch a loaded model to the registered implementation ``name``; ``.remove()`` switches back.
+
+    Refused while another switch of this model is active (see the module docstring).
+    """
     from hf_kvspec import _compat
 
+    active = _active_switches.get(model)
+    if active is not None and active.active:
+        raise ValueError(f"{type(model).__name__} is already switched to {active.name!r} by an active handle "
+                         f"({active!r}); call .remove() on it (or leave its `with` block) before switching to "
+                         f"{name!r}.")
     previous = _compat.attn_implementation(model.config)
     model.set_attn_implementation(name)
     if _compat.attn_implementation(model.config) != name:
         raise ValueError(f"{type(model).__name__} cannot switch attention implementation after loading; load it "
                          f"with attn_implementation={name!r} after hf_kvspec.register().")
-    return AttentionPatch(name, lambda: model.set_attn_implementation(previous), f"previous={previous!r}")
+
+    def undo() -> None:
+        _active_switches.pop(model, None)
+        model.set_attn_implementation(previous)
+
+    patch = AttentionPatch(name, undo, f"previous={previous!r}")
+    _active_switches[model] = patch
+    return patch

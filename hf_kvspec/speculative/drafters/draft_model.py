@@ -9,6 +9,13 @@ Under sampling the draft token is drawn from the draft's *processed* distributio
 target, each position with its own prefix) and that distribution is returned for rejection sampling; under
 greedy decoding the draft's argmax is a point mass (no probabilities needed).
 
+Vocabularies: the draft must share the target's tokenizer; padded embedding tables may differ in size by up to
+1024 rows (a wider gap means another tokenizer and is refused in ``begin``, before any forward). Target ids the
+draft cannot embed (at or past its input-embedding size) reach the draft as a substitute id (its pad id, else 0),
+and ids the draft can emit but the target cannot are given probability 0. Verification stays exact: it only
+needs the draft tokens and the distribution they were drawn from, both over the target's vocabulary; a
+substituted id can only make the draft guess worse.
+
 Shapes: ``B`` rows, ``W`` buffer width, ``K`` draft tokens, ``V`` target vocabulary.
 """
 
@@ -42,6 +49,9 @@ class DraftModelAssistant(Drafter):
         self.cache = None
         self.cached = 0  # buffer columns held by the draft cache
         self.target_vocab = None
+        self.embeddable = draft_model.get_input_embeddings().num_embeddings  # ids the draft can be fed
+        pad = getattr(draft_model.config, "pad_token_id", None)
+        self.substitute_id = pad if isinstance(pad, int) and 0 <= pad < self.embeddable else 0
 
     def begin(self, target, buffer, target_hidden=None) -> None:
         super().begin(target, buffer, target_hidden)
@@ -79,10 +89,16 @@ class DraftModelAssistant(Drafter):
         return DraftProposal(torch.stack(tokens, dim=1), torch.stack(probs, dim=1) if probs else None,
                              draft_forwards=count)
 
+    def _draft_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        """Target ids [B, T] as the draft can embed them (see the module docstring)."""
+        if self.embeddable >= self.target_vocab:
+            return ids
+        return ids.masked_fill(ids >= self.embeddable, self.substitute_id)
+
     def _forward(self, ids: torch.Tensor, attention_mask, positions: torch.Tensor) -> torch.Tensor:
         """Draft logits [B, 1, V_target] of the last fed token."""
-        out = self.model(input_ids=ids, attention_mask=attention_mask, position_ids=positions, cache=self.cache,
-                         use_cache=True, logits_to_keep=1)
+        out = self.model(input_ids=self._draft_ids(ids), attention_mask=attention_mask, position_ids=positions,
+                         cache=self.cache, use_cache=True, logits_to_keep=1)
         logits = out.logits
         vocab = logits.shape[-1]
         if vocab > self.target_vocab:
