@@ -2,7 +2,9 @@
 
 Boundary: one attention function (``kvspec_gqa``) plus its registration with ``AttentionInterface`` and
 ``AttentionMaskInterface``, and ``enable_gqa(model)`` to switch a loaded model to it. It never sees a
-cache or a model; masks arrive in transformers' conventions (see ``masks.py``).
+cache or a model; masks arrive in transformers' conventions and follow the rules of ``masks.py`` (a missing
+mask, custom 4D masks bool or float, per-head masks, fully masked rows) exactly as transformers' sdpa does:
+both paths below are torch SDPA calls, given the same mask values, folded or not.
 
 Shape legend: ``B`` batch, ``Hq`` query heads, ``Hkv`` key/value heads, ``G = Hq / Hkv`` (GQA ratio),
 ``T`` query tokens, ``S`` key tokens, ``D`` head dim, ``Dv`` value head dim.
@@ -16,9 +18,9 @@ Which path, per call (``_should_fold``; G > 1, measured on CPU in ``docs/attenti
 * **fold** the ``G`` query heads of a group onto their shared KV head, ``[B, Hq, T, D] -> [B, Hkv, G·T, D]``,
   and attend as plain multi-head attention, for a single query token (decode, with or without a
   padding mask) and for masked short queries (``T <= FOLD_MAX_QUERY_TOKENS``: verification, trees).
-  Each K/V head is read once per group instead of once per query head: an unpadded decode step at
-  2k-8k keys takes ~0.8x the time of transformers' ``enable_gqa`` call there with K/V out of cache,
-  as in a real forward. Only the mask is repeated, ``G·T·S`` elements;
+  Each K/V head is read once per group instead of once per query head, which beats transformers'
+  ``enable_gqa`` call for an unpadded decode step with K/V out of cache, as in a real forward
+  (figures in ``docs/attention.md``). Only the mask is repeated, ``G·T·S`` elements;
 * **SDPA with** ``enable_gqa=True`` for everything else on CPU: no mask and ``T > 1`` (``is_causal``,
   exactly transformers' own call) and masked long queries (prefill chunks), where torch's CPU flash
   kernel indexes the shared head itself (no K/V copy) and is as fast as sdpa's ``repeat_kv`` + flash.
@@ -60,7 +62,7 @@ def gqa_attention_forward(
     mask = normalize_mask(attention_mask, query.dtype)
     causal = implicit_causal(mask, q_len, getattr(module, "is_causal", True), is_causal)
     if causal and key.shape[2] > q_len:
-        # transformers only drops the mask in that case when the extra keys are unused static-cache slots
+        # rule 1 of masks.py: keys past T are never read (transformers' sdpa crops them the same way)
         key, value = key[:, :, :q_len], value[:, :, :q_len]
     if groups > 1 and _should_fold(q_len, mask, query.device):
         out = _folded_attention(query, key, value, mask, groups, dropout, scaling)

@@ -32,7 +32,7 @@ import functools
 import torch
 
 from hf_kvspec.attention.gqa import gqa_attention_forward
-from hf_kvspec.attention.masks import additive, explicit_mask, implicit_causal
+from hf_kvspec.attention.masks import explicit_mask, implicit_causal, masked_softmax
 from hf_kvspec.attention.mla_weights import (
     STRATEGIES,
     SUPPORTED_ATTENTION,
@@ -43,6 +43,7 @@ from hf_kvspec.attention.mla_weights import (
     supported_style,
 )
 from hf_kvspec.attention.patch import AttentionPatch
+from hf_kvspec.cache import channel
 
 __all__ = ["UnsupportedMLAError", "absorbed_forward", "enable_mla_absorb"]
 
@@ -73,12 +74,23 @@ def absorbed_forward(
     if cache is not None:
         # the latent is what gets cached: C + R elements per token, whatever the cache class
         c_kv, k_rot = cache.update(c_kv, k_rot, module.layer_idx, kwargs=kwargs)
+        _refuse_stored_form(kwargs)
     q_len, kv_len = hidden_states.shape[1], c_kv.shape[2]
     if plan.use_absorbed(q_len, kv_len):
         out = _absorbed_attention(module, plan, q_nope, q_rot, c_kv, k_rot, attention_mask)
     else:
         out = _decompressed_attention(module, plan, q_nope, q_rot, c_kv, k_rot, attention_mask)
     return module.o_proj(out.flatten(2)), None
+
+
+def _refuse_stored_form(kwargs: dict) -> None:
+    """The absorbed path reads dense latents; a cache that handed over its stored form (pages, codes) did so
+    because the model's attention implementation reads it, which this forward replaces."""
+    stored = channel.received(kwargs)
+    if stored is not None:
+        raise ValueError(f"enable_mla_absorb reads the latent cache as dense tensors, but the cache handed over "
+                         f"{type(stored).__name__} for the model's attention implementation; load the model with "
+                         "attn_implementation='sdpa' (or 'eager') to absorb MLA over this cache.")
 
 
 def _project(module, plan: MLALayerPlan, hidden_states, position_embeddings):
@@ -102,17 +114,14 @@ def _absorbed_attention(module, plan: MLALayerPlan, q_nope, q_rot, c_kv, k_rot, 
     """Attention in latent space (MQA over ``[c_kv ; k_rot]``, value ``c_kv``); returns ``[B, T, H, V]``."""
     q_len = q_nope.shape[2]
     causal = implicit_causal(mask, q_len, getattr(module, "is_causal", True), None)
-    if causal and c_kv.shape[2] > q_len:  # same key cropping as transformers' SDPA path for a skipped mask
+    if causal and c_kv.shape[2] > q_len:  # rule 1 of masks.py: keys past T are never read (as sdpa crops them)
         c_kv, k_rot = c_kv[:, :, :q_len], k_rot[:, :, :q_len]
     latent, rope_key = c_kv[:, 0], k_rot[:, 0]  # [B, S, C], [B, S, R]
     q_lat = torch.einsum("bhtn,hnc->bhtc", q_nope, plan.w_uk)
     scores = torch.einsum("bhtc,bsc->bhts", q_lat, latent) + torch.einsum("bhtr,bsr->bhts", q_rot, rope_key)
-    # softmax in at least fp32, as eager attention does (fp64 stays fp64)
-    scores = scores.to(torch.promote_types(scores.dtype, torch.float32)) * module.scaling
-    mask = additive(explicit_mask(mask, q_len, latent.shape[1], causal, scores.device), scores.dtype)
-    if mask is not None:
-        scores = scores + mask
-    probs = scores.softmax(dim=-1).to(latent.dtype)
+    scores = scores * module.scaling  # [B, H, T, S]
+    mask = explicit_mask(mask, q_len, latent.shape[1], causal, scores.device)  # [B, 1|H, T, S] or None
+    probs = masked_softmax(scores, mask).to(latent.dtype)  # fully masked rows: zero (rule 2 of masks.py)
     out_latent = torch.einsum("bhts,bsc->bhtc", probs, latent)
     return torch.einsum("bhtc,hvc->bthv", out_latent, plan.w_uv)
 

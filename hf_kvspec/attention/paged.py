@@ -2,9 +2,11 @@
 ``attn_implementation="kvspec_paged"`` (``AttentionInterface`` *and* ``AttentionMaskInterface``).
 
 Boundary: this module owns the attention math over paged K/V and its registration; the block tables
-come from ``hf_kvspec.cache.paged.PagedCache``, which hands them over through the kwargs of
-``cache.update`` (transformers passes that same dict on to the attention function). Given contiguous
-K/V and no ``paged_kv`` (any other cache, or none), the function is plain grouped attention.
+come from ``hf_kvspec.cache.paged.PagedCache``, which hands a ``PagedKV`` over through the one cache ->
+attention channel (``hf_kvspec.cache.channel``; registering ``kvspec_paged`` declares it a reader of
+``PagedKV``). Given contiguous K/V and nothing handed over (any other cache, or none), the function is plain
+grouped attention. Masks (missing, bool, float, custom 4D, per head) follow ``masks.py``, as transformers'
+sdpa does.
 
 Two paths, compared in ``tests/attention/test_paged_attention.py``:
     fast       ``paged_attention_forward``: one block-level gather (whole pages, M·P slots per row, then
@@ -29,12 +31,15 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from hf_kvspec.attention.masks import explicit_mask, fold_mask, implicit_causal, masked_softmax, normalize_mask
+from hf_kvspec.cache import channel
+
 ATTN_NAME = "kvspec_paged"
 
 
 @dataclass(frozen=True)
-class PagedKV:
-    """What a paged cache layer hands to the attention function (as kwarg ``paged_kv``)."""
+class PagedKV(channel.StoredKV):
+    """What a paged cache layer hands to the attention function through ``channel.KWARG``."""
 
     block_tables: torch.Tensor  # [B, M] int64 physical block ids, row b's token t in block [b, t // P]
     kv_length: int  # S: tokens per row, cached + new (the same for every row)
@@ -46,8 +51,8 @@ def gather_blocks(pages: torch.Tensor, block_tables: torch.Tensor, kv_length: in
 
     The gather runs over the head-major view ``[Hkv, N, P, D]``: with ``PagedCache``'s storage (head-major
     in memory) that view is contiguous, and the result's token axis is contiguous per head — SDPA reads it
-    as fast as ``DynamicCache``'s contiguous K/V, whereas a token-major gather leaves rows ``Hkv·D`` apart
-    (1.1-1.5x slower SDPA at bs 1-8, S 2048). Any page layout gives the same values.
+    as fast as ``DynamicCache``'s contiguous K/V, whereas a token-major gather leaves rows ``Hkv·D`` apart,
+    which SDPA reads measurably slower (figures in ``docs/paged.md``). Any page layout gives the same values.
     """
     batch, num_row_blocks = block_tables.shape
     _, block_size, heads, dim = pages.shape
@@ -60,11 +65,15 @@ def grouped_attention(
     query: torch.Tensor,  # [B, Hq, T, D]
     key: torch.Tensor,  # [B, Hkv, S, D]
     value: torch.Tensor,  # [B, Hkv, S, Dv]
-    attention_mask: torch.Tensor | None,  # [B, 1, T, S] bool (True = attend) or additive float; None = causal
+    attention_mask: torch.Tensor | None,  # [B, 1|Hq, T, S] bool (True = attend) or additive float; None: rule 1
     scaling: float,
     softcap: float | None = None,
+    is_causal: bool = True,
 ) -> torch.Tensor:  # [B, T, Hq, Dv]
-    """Attention with the ``G`` query heads of each KV head folded into the query axis (no ``repeat_kv``)."""
+    """Attention with the ``G`` query heads of each KV head folded into the query axis (no ``repeat_kv``).
+
+    Masks follow ``hf_kvspec.attention.masks`` (missing mask, fully masked rows), as transformers' sdpa does.
+    """
     batch, q_heads, q_len, dim = query.shape
     kv_heads, kv_len = key.shape[1], key.shape[2]
     if q_heads % kv_heads:
@@ -72,13 +81,14 @@ def grouped_attention(
     groups = q_heads // kv_heads
     # query head h = kv_head · G + g, so [B, Hq, T, D] -> [B, Hkv, G·T, D] is a plain reshape
     folded = query.reshape(batch, kv_heads, groups * q_len, dim)
-    mask = _fold_mask(attention_mask, batch, groups, q_len, kv_len, query.device)
+    mask = explicit_mask(attention_mask, q_len, kv_len, is_causal and q_len > 1, query.device)
+    mask = fold_mask(normalize_mask(mask, query.dtype), groups, kv_heads)  # [B, 1|Hkv, G·T, S]
     if softcap is None:
         out = F.scaled_dot_product_attention(folded, key, value, attn_mask=mask, scale=scaling)
     else:
         scores = torch.einsum("bhqd,bhsd->bhqs", folded, key) * scaling
         scores = softcap * torch.tanh(scores / softcap)  # Gemma-2 logit soft-capping
-        probs = _masked_softmax(scores, mask)
+        probs = masked_softmax(scores, mask).to(value.dtype)
         out = torch.einsum("bhqs,bhsd->bhqd", probs, value)
     return out.reshape(batch, q_heads, q_len, -1).transpose(1, 2)
 
@@ -89,7 +99,7 @@ def reference_paged_attention(
     value_pages: torch.Tensor,  # [N, P, Hkv, Dv]
     block_tables: torch.Tensor,  # [B, M]
     kv_length: int,
-    attention_mask: torch.Tensor | None,  # [B, 1, T, S] bool or None (causal)
+    attention_mask: torch.Tensor | None,  # [B, 1|Hq, T, S] bool or float; None: rule 1 of masks.py
     scaling: float,
     softcap: float | None = None,
 ) -> torch.Tensor:  # [B, T, Hq, Dv]
@@ -104,47 +114,23 @@ def reference_paged_attention(
     scores = torch.einsum("bhqd,bhsd->bhqs", query, key) * scaling
     if softcap is not None:
         scores = softcap * torch.tanh(scores / softcap)
-    mask = _fold_mask(attention_mask, query.shape[0], 1, query.shape[2], kv_length, query.device)
-    probs = _masked_softmax(scores, mask)
+    q_len = query.shape[2]
+    mask = explicit_mask(attention_mask, q_len, kv_length, q_len > 1, query.device)  # broadcasts over Hq
+    probs = masked_softmax(scores, mask).to(value.dtype)
     return torch.einsum("bhqs,bhsd->bhqd", probs, value).transpose(1, 2)
-
-
-def _fold_mask(mask, batch: int, groups: int, q_len: int, kv_len: int, device) -> torch.Tensor:
-    """``[B, 1, T, S]`` -> ``[B, 1, G·T, S]`` (row g·T + t is query t of group g); None -> bottom-right causal."""
-    if mask is None:
-        if q_len == 1:
-            return None  # one query per row sees every key: no mask at all lets SDPA take its fastest path
-        mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=device).tril(kv_len - q_len)
-        mask = mask.expand(batch, 1, q_len, kv_len)
-    if mask.shape[1] != 1:
-        raise ValueError(f"paged attention expects a mask shared by all heads, got shape {tuple(mask.shape)}.")
-    if groups == 1:
-        return mask
-    return mask[:, :, None].expand(batch, 1, groups, q_len, kv_len).reshape(batch, 1, groups * q_len, kv_len)
-
-
-def _masked_softmax(scores: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    # finfo.min rather than -inf: a fully masked row (a left-padding query) softmaxes to uniform, not NaN
-    if mask is None:
-        pass
-    elif mask.dtype == torch.bool:
-        scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
-    else:
-        scores = scores + mask
-    return torch.softmax(scores, dim=-1, dtype=torch.float32).to(scores.dtype)
 
 
 # ---- the transformers-facing functions -------------------------------------------------------------
 def paged_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,  # [B, Hq, T, D]
-    key: torch.Tensor,  # pages [N, P, Hkv, D] when paged_kv is given, else [B, Hkv, S, D]
+    key: torch.Tensor,  # pages [N, P, Hkv, D] when a PagedKV is handed over, else [B, Hkv, S, D]
     value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
+    attention_mask: torch.Tensor | None,  # [B, 1|Hq, T, S] bool or float, or None (masks.py rule 1)
     scaling: float | None = None,
     dropout: float = 0.0,
     softcap: float | None = None,
-    paged_kv: PagedKV | None = None,
+    is_causal: bool | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """``AttentionInterface`` entry: ``(out [B, T, Hq, Dv], None)``."""
@@ -152,18 +138,34 @@ def paged_attention_forward(
         raise ValueError("kvspec_paged attention is inference-only; use attn_implementation='sdpa' to train.")
     if kwargs.get("s_aux") is not None:
         raise NotImplementedError("kvspec_paged attention does not support attention sinks (s_aux).")
+    paged_kv = _handed_over(kwargs)
     if paged_kv is not None:
         key = gather_blocks(key, paged_kv.block_tables, paged_kv.kv_length)
         value = gather_blocks(value, paged_kv.block_tables, paged_kv.kv_length)
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
-    return grouped_attention(query, key, value, attention_mask, scaling, softcap), None
+    causal = implicit_causal(attention_mask, query.shape[2], getattr(module, "is_causal", True), is_causal)
+    return grouped_attention(query, key, value, attention_mask, scaling, softcap, causal), None
+
+
+def _handed_over(kwargs: dict) -> PagedKV | None:
+    """The ``PagedKV`` a paged cache handed over through the channel, if any.
+
+    Transition: caches that still write the old kwarg ``paged_kv`` are read too (``channel.KWARG`` first).
+    """
+    stored = channel.received(kwargs)
+    legacy = kwargs.pop("paged_kv", None)
+    stored = stored if stored is not None else legacy
+    if stored is not None and not isinstance(stored, PagedKV):
+        raise TypeError(f"{ATTN_NAME} reads PagedKV, but the cache handed over {type(stored).__name__}; use the "
+                        "attention implementation that reads it (e.g. kvspec_quant for QuantizedKV).")
+    return stored
 
 
 def paged_attention_mask(**kwargs) -> torch.Tensor | None:
     """``AttentionMaskInterface`` entry: SDPA's boolean mask ``[B, 1, T, S]``.
 
     Like SDPA's, it may return None when nothing but causality is to be masked (no padding, and a single
-    query or an empty cache); ``grouped_attention`` then applies the bottom-right causal mask itself.
+    query or an empty cache); ``grouped_attention`` then applies rule 1 of ``masks.py`` itself.
     """
     from transformers.masking_utils import sdpa_mask
 
@@ -179,6 +181,7 @@ def register_paged_attention() -> None:
     from hf_kvspec.attention.patch import register_attention
 
     register_attention(ATTN_NAME, paged_attention_forward, paged_attention_mask, _previous)
+    channel.register_reader(ATTN_NAME, PagedKV)
 
 
 def unregister_paged_attention() -> None:
@@ -186,3 +189,4 @@ def unregister_paged_attention() -> None:
     from hf_kvspec.attention.patch import unregister_attention
 
     unregister_attention(ATTN_NAME, _previous)
+    channel.unregister_reader(ATTN_NAME)

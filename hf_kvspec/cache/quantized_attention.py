@@ -2,9 +2,11 @@
 with transformers as ``attn_implementation="kvspec_quant"`` (``AttentionInterface`` *and* ``AttentionMaskInterface``).
 
 Boundary: this module owns the attention math over a quantized layer and its registration; the layer
-(``quantized.py``) decides per forward whether to hand over its codes (kwarg ``quantized_kv``, through the
-kwargs dict that transformers passes from ``cache.update`` on to the attention function) or dense keys/values.
-Without ``quantized_kv`` (any other cache, a prefill, an empty store) the function is transformers' SDPA.
+(``quantized.py``) decides per forward whether to hand over its codes (a ``QuantizedKV`` through the one
+cache -> attention channel, ``hf_kvspec.cache.channel``; registering ``kvspec_quant`` declares it a reader of
+``QuantizedKV``) or dense keys/values. With nothing handed over (any other cache, a prefill, an empty store)
+the function is transformers' SDPA. Masks (missing, bool, float, custom 4D, per head) follow
+``hf_kvspec.attention.masks``, as transformers' sdpa does.
 
 Two paths, compared in ``tests/cache/test_quantized_attention.py``:
     fused      ``fused_quantized_attention``: the store's ``key_scores`` / ``weighted_values`` unpack the raw
@@ -12,7 +14,7 @@ Two paths, compared in ``tests/cache/test_quantized_attention.py``:
                rows or the attention weights (KIVI keys: ``q·k = Σ_d (q_d s_d) c_d + Σ_d q_d z_d``; values:
                ``Σ_t (p_t s_t) c_t + Σ_t p_t z_t``). The dequantized history is never materialised: per step it
                saves the two affine passes over ``S·D`` elements for K and for V, and, more on CPU, the two fresh
-               ``S·D`` allocations per layer of the reference path (measured in ``docs/quantized.md``).
+               ``S·D`` allocations per layer of the reference path (figures in ``docs/quantized.md``).
     reference  ``reference_quantized_attention``: the layer's dequantized keys/values (``dequantize_into``),
                ``repeat_kv``, eager softmax — dequantize-then-attend, the oracle.
 
@@ -31,6 +33,9 @@ from dataclasses import dataclass
 
 import torch
 
+from hf_kvspec import _compat
+from hf_kvspec.attention.masks import explicit_mask, fold_mask, implicit_causal, masked_softmax
+from hf_kvspec.cache import channel
 from hf_kvspec.cache.quantized_stores import QuantizedStore, Workspace
 
 ATTN_NAME = "kvspec_quant"
@@ -38,9 +43,9 @@ MAX_FUSED_QUERIES = 64  # scores of 64 queries over 4k tokens x 9 heads: 9 MB; a
 
 
 @dataclass(frozen=True)
-class QuantizedKV:
-    """What a quantized layer hands to the attention function (kwarg ``quantized_kv``); the window's keys and
-    values are the function's ``key`` / ``value`` arguments. Token order: ``[sinks | store | window]``."""
+class QuantizedKV(channel.StoredKV):
+    """What a quantized layer hands to the attention function (through ``channel.KWARG``); the window's keys
+    and values are the function's ``key`` / ``value`` arguments. Token order: ``[sinks | store | window]``."""
 
     store: QuantizedStore
     sink_keys: torch.Tensor  # [B, Hkv, n_sink, D]
@@ -54,10 +59,11 @@ def fused_quantized_attention(
     quantized_kv: QuantizedKV,
     window_keys: torch.Tensor,  # [B, Hkv, n_window, D]
     window_values: torch.Tensor,  # [B, Hkv, n_window, D]
-    attention_mask: torch.Tensor | None,  # [B, 1, T, S] bool (True = attend) or additive float; None = causal
+    attention_mask: torch.Tensor | None,  # [B, 1|Hq, T, S] bool (True = attend) or additive float; None: rule 1
     scaling: float,
+    is_causal: bool = True,
 ) -> torch.Tensor:  # [B, T, Hq, D]
-    """Attention over ``[sinks | store | window]`` that reads the store through its codes."""
+    """Attention over ``[sinks | store | window]`` that reads the store through its codes (masks: ``masks.py``)."""
     batch, q_heads, q_len, dim = query.shape
     kv_heads = window_keys.shape[1]
     groups = q_heads // kv_heads
@@ -70,7 +76,8 @@ def fused_quantized_attention(
     if sinks:
         parts.insert(0, torch.matmul(rows, kv.sink_keys.to(dtype).transpose(-1, -2)))
     scores = torch.cat(parts, dim=-1)  # [B, Hkv, M, S] in token order
-    probs = _masked_softmax(scores, _fold_mask(attention_mask, batch, groups, q_len, scores.shape[-1]))
+    mask = explicit_mask(attention_mask, q_len, scores.shape[-1], is_causal and q_len > 1, query.device)
+    probs = masked_softmax(scores, fold_mask(mask, groups, kv_heads))  # [B, Hkv, M, S]
     out = kv.store.weighted_values(probs[..., sinks:sinks + stored], kv.workspace)  # [B, Hkv, M, D]
     out += torch.matmul(probs[..., sinks + stored:], window_values.to(dtype))  # "bhms,bhsd->bhmd"
     if sinks:
@@ -82,7 +89,7 @@ def reference_quantized_attention(
     query: torch.Tensor,  # [B, Hq, T, D]
     keys: torch.Tensor,  # [B, Hkv, S, D] dequantized (the layer's reference read)
     values: torch.Tensor,  # [B, Hkv, S, D]
-    attention_mask: torch.Tensor | None,
+    attention_mask: torch.Tensor | None,  # [B, 1|Hq, T, S] bool or float; None: rule 1 of masks.py
     scaling: float,
 ) -> torch.Tensor:  # [B, T, Hq, D]
     """Dequantize-then-attend: ``repeat_kv`` and an eager fp32 softmax. Obviously correct; the oracle."""
@@ -90,54 +97,28 @@ def reference_quantized_attention(
     keys = keys.float().repeat_interleave(groups, dim=1)
     values = values.float().repeat_interleave(groups, dim=1)
     scores = torch.einsum("bhtd,bhsd->bhts", query.float(), keys) * scaling
-    mask = _fold_mask(attention_mask, query.shape[0], 1, query.shape[2], keys.shape[2])
-    probs = _masked_softmax(scores, mask)
+    q_len = query.shape[2]
+    probs = masked_softmax(scores, explicit_mask(attention_mask, q_len, keys.shape[2], q_len > 1, query.device))
     return torch.einsum("bhts,bhsd->bhtd", probs, values).transpose(1, 2).to(query.dtype)
-
-
-def _fold_mask(mask, batch: int, groups: int, q_len: int, kv_len: int) -> torch.Tensor | None:
-    """``[B, 1, T, S]`` -> ``[B, 1, G·T, S]`` (row g·T + t is query t); None -> bottom-right causal (or none)."""
-    if mask is None:
-        if q_len == 1:
-            return None  # a single query sees every cached token
-        mask = torch.ones(q_len, kv_len, dtype=torch.bool).tril(kv_len - q_len).expand(batch, 1, q_len, kv_len)
-    if mask.shape[1] != 1:
-        raise ValueError(f"{ATTN_NAME} expects a mask shared by all heads, got shape {tuple(mask.shape)}.")
-    if groups == 1:
-        return mask
-    return mask[:, :, None].expand(batch, 1, groups, q_len, kv_len).reshape(batch, 1, groups * q_len, kv_len)
-
-
-def _masked_softmax(scores: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    if mask is None:
-        return torch.softmax(scores, dim=-1, dtype=torch.float32)
-    if mask.dtype != torch.bool:
-        return torch.softmax(scores + mask.to(scores.device, scores.dtype), dim=-1, dtype=torch.float32)
-    mask = mask.to(scores.device)
-    probs = torch.softmax(scores.masked_fill(~mask, torch.finfo(scores.dtype).min), dim=-1, dtype=torch.float32)
-    # a fully masked row (a left-padding query) attends to nothing: zero output, as torch's SDPA gives. It
-    # matters beyond that row: the padding token's next-layer key joins a KIVI group with real tokens.
-    return probs * mask.any(dim=-1, keepdim=True)
 
 
 # ---- the transformers-facing function and its registration -----------------------------------------
 def quantized_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,  # [B, Hq, T, D]
-    key: torch.Tensor,  # the window [B, Hkv, n, D] when quantized_kv is given, else all keys [B, Hkv, S, D]
+    key: torch.Tensor,  # the window [B, Hkv, n, D] when a QuantizedKV is handed over, else all keys [B, Hkv, S, D]
     value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
+    attention_mask: torch.Tensor | None,  # [B, 1|Hq, T, S] bool or float, or None (masks.py rule 1)
     scaling: float | None = None,
     dropout: float = 0.0,
-    quantized_kv: QuantizedKV | None = None,
+    is_causal: bool | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """``AttentionInterface`` entry: ``(out [B, T, Hq, D], None)``."""
+    quantized_kv = _handed_over(kwargs)
     if quantized_kv is None:
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      **kwargs)
+        return _compat.sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                              scaling=scaling, is_causal=is_causal, **kwargs)
     if dropout and module.training:
         raise ValueError(f"{ATTN_NAME} attention is inference-only; use attn_implementation='sdpa' to train.")
     for unsupported in ("softcap", "s_aux"):
@@ -145,7 +126,22 @@ def quantized_attention_forward(
             raise NotImplementedError(f"{ATTN_NAME} attention does not support {unsupported}; use "
                                       "attn_implementation='sdpa' (QuantizedKVCache then attends its dequantized copy).")
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
-    return fused_quantized_attention(query, quantized_kv, key, value, attention_mask, scaling), None
+    causal = implicit_causal(attention_mask, query.shape[2], getattr(module, "is_causal", True), is_causal)
+    return fused_quantized_attention(query, quantized_kv, key, value, attention_mask, scaling, causal), None
+
+
+def _handed_over(kwargs: dict) -> QuantizedKV | None:
+    """The ``QuantizedKV`` a quantized layer handed over through the channel, if any.
+
+    Transition: layers that still write the old kwarg ``quantized_kv`` are read too (``channel.KWARG`` first).
+    """
+    stored = channel.received(kwargs)
+    legacy = kwargs.pop("quantized_kv", None)
+    stored = stored if stored is not None else legacy
+    if stored is not None and not isinstance(stored, QuantizedKV):
+        raise TypeError(f"{ATTN_NAME} reads QuantizedKV, but the cache handed over {type(stored).__name__}; use "
+                        "the attention implementation that reads it (e.g. kvspec_paged for PagedKV).")
+    return stored
 
 
 _previous: dict[str, tuple[object | None, object | None]] = {}  # entries under our name before register()
@@ -159,6 +155,7 @@ def register_quantized_attention() -> None:
     from hf_kvspec.attention.patch import register_attention
 
     register_attention(ATTN_NAME, quantized_attention_forward, sdpa_mask, _previous)
+    channel.register_reader(ATTN_NAME, QuantizedKV)
 
 
 def unregister_quantized_attention() -> None:
@@ -166,6 +163,7 @@ def unregister_quantized_attention() -> None:
     from hf_kvspec.attention.patch import unregister_attention
 
     unregister_attention(ATTN_NAME, _previous)
+    channel.unregister_reader(ATTN_NAME)
 
 
 def enable_quantized_attention(model):
