@@ -1,7 +1,8 @@
 """The only module that touches transformers' private names (underscore attributes, internal helpers).
 
 Tested with transformers >=5.24,<6 (pyproject pins the same range). Each helper below names the private
-API it wraps; a canary test elsewhere fails loudly if a hook silently stopped running.
+API it wraps; tests/test_compat.py holds a canary per private name that fails loudly when transformers
+changes under it (the name moved, or no longer behaves as relied on here).
 """
 
 from __future__ import annotations
@@ -137,6 +138,63 @@ def cache_is_user_defined(cache) -> bool:
     """Whether ``generate`` received ``cache`` from its caller (transformers 5.24 ``_prepare_cache_for_generation``
     marks such caches ``_is_user_defined``) rather than creating it for this call."""
     return bool(getattr(cache, "_is_user_defined", False))
+
+
+#: Logits processors whose output depends on the scores only, never on ``input_ids`` or its length (read from the
+#: transformers 5.24 sources; tests/test_compat.py feeds each two different histories). The speculative loop
+#: applies these once to all positions of a round and calls every other processor once per prefix length.
+_SCORE_ONLY_PROCESSORS = (
+    "TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper", "MinPLogitsWarper", "TopHLogitsWarper",
+    "TypicalLogitsWarper", "EpsilonLogitsWarper", "EtaLogitsWarper", "InfNanRemoveLogitsProcessor",
+    "LogitNormalization", "SuppressTokensLogitsProcessor",
+)
+
+
+def score_only_processor_classes() -> tuple[type, ...]:
+    """The installed classes among ``_SCORE_ONLY_PROCESSORS``.
+
+    Private knowledge: how each processor uses its arguments is not part of its API. A name missing here is
+    treated as path-dependent (called per prefix length): always correct, only slower.
+    """
+    return tuple(getattr(transformers, name) for name in _SCORE_ONLY_PROCESSORS if hasattr(transformers, name))
+
+
+def eos_criterion_ids(criterion):
+    """The EOS ids ``[E]`` an ``EosTokenCriteria`` stops on, else ``None``.
+
+    Private: its ``eos_token_id`` attribute (a tensor; the constructor also takes an int or a list).
+    """
+    if isinstance(criterion, transformers.EosTokenCriteria):
+        return criterion.eos_token_id.reshape(-1)
+    return None
+
+
+def max_length_criterion_limit(criterion) -> int | None:
+    """The length at which a ``MaxLengthCriteria`` stops a row (prompt included), else ``None``.
+
+    Private: its ``max_length`` attribute.
+    """
+    if isinstance(criterion, transformers.MaxLengthCriteria):
+        return int(criterion.max_length)
+    return None
+
+
+# --- MLA absorb (hf_kvspec.attention.mla_weights) -----------------------------------------------------------------
+
+def modeling_function(model_class: type, name: str):
+    """A module-level function (e.g. ``apply_rotary_pos_emb``) of the modeling file that defines ``model_class``.
+
+    Private: modeling files' helpers are not exported; MLA absorb uses the attention's own RoPE helper so its
+    rotations match the stock forward bit for bit.
+    """
+    import importlib
+
+    module = importlib.import_module(model_class.__module__)
+    function = getattr(module, name, None)
+    if not callable(function):
+        raise NotImplementedError(f"{module.__name__} has no function {name!r} (hf_kvspec is tested with "
+                                  f"transformers >={TESTED_RANGE[0]},<{TESTED_RANGE[1]}).")
+    return function
 
 
 # --- caches (hf_kvspec.cache) ---------------------------------------------------------------------------------------

@@ -15,12 +15,13 @@ of views: no copy of the weights, and an in-place weight update is seen at once.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
+
+from hf_kvspec import _compat
 
 Strategy = Literal["auto", "absorb", "decompress"]
 STRATEGIES = ("auto", "absorb", "decompress")
@@ -125,9 +126,9 @@ def _dims(module: torch.nn.Module) -> MLADims:
 
 def _rope_function(module: torch.nn.Module, style: str, cls: type) -> Callable:
     """The RoPE helper of the module's own modeling file, so rotations match it bit for bit."""
-    modeling = sys.modules[cls.__module__]
     if style == "complex":
-        return lambda q, k, freqs_cis: modeling.apply_rotary_emb(q, k, freqs_cis.to(q.device))
+        apply_complex = _compat.modeling_function(cls, "apply_rotary_emb")
+        return lambda q, k, freqs_cis: apply_complex(q, k, freqs_cis.to(q.device))
     interleave = getattr(module.config, "rope_interleave", False)
-    apply = modeling.apply_rotary_pos_emb_interleave if interleave else modeling.apply_rotary_pos_emb
+    apply = _compat.modeling_function(cls, "apply_rotary_pos_emb_interleave" if interleave else "apply_rotary_pos_emb")
     return lambda q, k, cos_sin: apply(q, k, *cos_sin)

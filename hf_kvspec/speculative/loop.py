@@ -23,16 +23,17 @@ from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
-from transformers.generation.utils import GenerateDecoderOnlyOutput
+from transformers.generation import GenerateDecoderOnlyOutput
 
 from hf_kvspec import _compat
 from hf_kvspec.speculative.buffer import TokenBuffer
-from hf_kvspec.speculative.drafters.base import DraftContext, Drafter, DraftProposal, RoundOutcome
+from hf_kvspec.speculative.drafters.base import Drafter, DraftProposal, RoundOutcome
 from hf_kvspec.speculative.positions import History, PositionwiseProcessor, PositionwiseStopper
 from hf_kvspec.speculative.rollback import check_cache, prepare_for_rollback
+from hf_kvspec.speculative.rounds import check_tree_attention, is_tree, plan_round
 from hf_kvspec.speculative.rows import ActiveRows
 from hf_kvspec.speculative.stats import AcceptanceStats
-from hf_kvspec.speculative.verify import greedy_verify, is_chain, rejection_verify, sample_tokens
+from hf_kvspec.speculative.verify import sample_tokens
 
 # generate's model kwargs the loop consumes itself (it computes masks and positions per round)
 _HANDLED_KWARGS = {"attention_mask", "position_ids", "cache", "use_cache", "logits_to_keep"}
@@ -112,6 +113,8 @@ class SpeculativeDecoder:
         self.alive = torch.ones(batch, dtype=torch.bool, device=input_ids.device)
         self.rows = ActiveRows(batch, input_ids.device)
         self.compact_rows = batch > 1 and _may_drop_rows(self.cache, self.assistant)
+        if self.assistant.proposes_trees:
+            _check_tree_support(self.model, self.sliding)
         self.buffer = TokenBuffer(input_ids, model_kwargs.get("attention_mask"), self.pad_token_id)
         # room for every token plus one round's drafts past max_length (History grows if a caller needs more)
         capacity = (self.config.max_length or input_ids.shape[1] + 256) + _MAX_ROUND_SLACK
@@ -162,68 +165,69 @@ class SpeculativeDecoder:
 
     # ------------------------------------------------------------------------------------------ one round
     def _round(self) -> None:
+        """draft -> verify forward -> accept -> roll back / keep the path -> emit; chains and trees alike
+        (``rounds.py`` holds what differs). History, processors, verifier and stopper see all ``B`` rows; the
+        buffer, caches and drafter the ``A`` active ones (``rows.py``)."""
         alive, rows = self.alive, self.rows
         prompt_tokens = self.buffer.width - 1 - self.fed  # > 0 only in a first round that also prefills
         start = time.perf_counter()
-        active_proposal = self._draft()  # [A, N]: drafter and target see the active rows only (rows.py)
-        _sync(active_proposal.tokens)
-        drafted = time.perf_counter()
-        num_draft = active_proposal.tokens.shape[1]
-        active_logits, hidden = self._target_forward(active_proposal.tokens)  # [A, N + 1, V]
-        proposal = DraftProposal(rows.expand(active_proposal.tokens), rows.expand(active_proposal.probs),
-                                 active_proposal.parents, active_proposal.draft_forwards)  # [B, N]
-        logits = rows.expand(active_logits)  # [B, N + 1, V]: processors, verifier and stopper see every row
-        scores = self.processor(self.history, proposal.tokens, logits)
-        result = self._verify(proposal, scores)
-        _sync(logits)
-        verified = time.perf_counter()
+        plan = plan_round(rows.full_proposal(self._draft()))  # draft: [B, N], a chain or a tree
+        drafted = _now(plan.proposal.tokens)
+        logits, hidden = self._verify_forward(plan)  # verify forward: [B, N + 1, V]; hidden [A, N + 1, H]
+        scores = plan.scores(self.processor, self.history, logits)  # each node processed after its own path
+        result = plan.verify(scores, self.do_sample)  # accept
+        verified = _now(logits)
+        emitted, keep, stopped = self._commit(plan, result, scores, logits, alive)  # [B, D + 1]
 
-        emitted = torch.cat([result.accepted_tokens(proposal.tokens), result.next_tokens[:, None]], dim=1)
-        emitted.scatter_(1, result.num_accepted[:, None], result.next_tokens[:, None])  # [B, N + 1]
+        longest = int(result.num_accepted[alive].max())
+        nodes = self._keep_path(plan, result, emitted, alive, longest)  # roll back / keep the path
+        self.alive = alive & ~stopped
+        hidden = plan.path_hidden(hidden, nodes, longest)
+        self._telemetry(plan, result, keep, alive, hidden, drafted - start, verified - drafted, prompt_tokens)
+        self._stream()  # emit
+        self._drop_finished_rows()
+
+    def _commit(self, plan, result, scores, logits, alive):
+        """Emitted tokens ``[B, D + 1]`` (accepted path, then the next token at ``num_accepted``), committed to the
+        history up to each row's stop; returns them with the kept counts [B] and the rows that stopped [B]."""
+        emitted = torch.cat([result.accepted_tokens(plan.proposal.tokens), result.next_tokens[:, None]], dim=1)
+        emitted.scatter_(1, result.num_accepted[:, None], result.next_tokens[:, None])
         keep, stopped = self.stopper.keep(self.history, emitted, (result.num_accepted + 1) * alive)
         self._record(scores, logits, _score_positions(result), keep)
         self.history.append(emitted, keep)
+        return emitted, keep, stopped
 
-        longest = int(result.num_accepted[alive].max())
-        self._roll_back(num_draft - longest)
-        accepted = result.accepted_tokens(proposal.tokens)[:, :longest]
-        self.buffer.append_round(*map(rows.take, (accepted, result.num_accepted, result.next_tokens, alive)))
+    def _keep_path(self, plan, result, emitted, alive, longest: int) -> torch.Tensor:
+        """Target cache and buffer keep each row's accepted path (``longest`` columns; shorter rows get masked
+        holes) and its next token; returns the active rows' accepted nodes [A, D]."""
+        nodes, num_accepted, next_tokens, live = self.rows.take_all(result.accepted_nodes, result.num_accepted,
+                                                                    result.next_tokens, alive)
+        plan.keep(self.cache, self.buffer.width - 1, nodes, longest, self.sliding)
+        self.buffer.append_round(self.rows.take(emitted)[:, :longest], num_accepted, next_tokens, live)
         self.fed = self.buffer.width - 1
-        self.alive = alive & ~stopped
-        self._telemetry(proposal, result, keep, alive, hidden, drafted - start, verified - drafted, prompt_tokens)
-        self._stream()
-        self._drop_finished_rows()
+        return nodes
 
     def _drop_finished_rows(self) -> None:
         """Take rows that stopped out of the model's batch (cache, buffer, drafter), when the cache is ours."""
-        if not self.compact_rows or not bool(self.alive.any()):
-            return
-        still = self.rows.take(self.alive)  # [A]
-        if bool(still.all()):
-            return
-        local = self.rows.drop(still)
-        self.buffer.select_rows(local)
-        local = local.cpu()  # a CPU index selects on any device (offloaded or split caches)
-        self.cache.batch_select_indices(local)
-        self.assistant.select_rows(local)
-        self.stats.rows_dropped += int((~still).sum())
+        if self.compact_rows and bool(self.alive.any()):
+            self.stats.rows_dropped += self.rows.leave(self.alive, self.buffer, self.cache, self.assistant)
 
     def _draft(self) -> DraftProposal:
+        """The drafter's proposal for the active rows ``[A, N]``, capped by the tokens left to generate."""
         room = self._room()
         num_draft = max(0, min(self.assistant.draft_length(), room - 1))
         if num_draft == 0:
             return DraftProposal(self.buffer.tokens.new_zeros(self.buffer.tokens.shape[0], 0))
-        rows = self.rows
-        ctx = DraftContext(self.buffer, rows.history(self.history), num_draft, self.do_sample, rows.take(self.alive),
-                           rows.processor(self.processor, self.history))
+        ctx = self.rows.draft_context(self.buffer, self.history, self.processor, self.alive, num_draft,
+                                      self.do_sample)
         proposal = self.assistant.propose(ctx)
-        if not is_chain(proposal.parents, proposal.tokens.shape[1]):
-            raise NotImplementedError("the loop verifies chains only: tree drafts need a tree attention mask and "
-                                      "Cache.select(); verify.py already handles a parents array")
-        if proposal.tokens.shape[1] > max(room - 1, 0):
-            proposal = DraftProposal(proposal.tokens[:, : room - 1],
-                                     None if proposal.probs is None else proposal.probs[:, : room - 1],
-                                     None, proposal.draft_forwards)
+        if is_tree(proposal):
+            _check_tree_support(self.model, self.sliding)
+        cap = max(room - 1, 0)
+        if proposal.tokens.shape[1] > cap:  # a prefix of a topological node list is still a tree
+            probs, parents = proposal.probs, proposal.parents
+            proposal = DraftProposal(proposal.tokens[:, :cap], None if probs is None else probs[:, :cap],
+                                     None if parents is None else parents[..., :cap], proposal.draft_forwards)
         return proposal
 
     def _room(self) -> int:
@@ -232,30 +236,27 @@ class SpeculativeDecoder:
             return 1 << 30
         return int((self.stopper.max_length - self.history.lengths[self.alive]).max())
 
-    def _target_forward(self, drafts: torch.Tensor):
-        """One forward over the columns the cache lacks (the last one, or the whole prompt in a first round)
-        + N drafts; returns logits [B, N + 1, V] and hidden [B, N + 1, H] of the last column and the drafts."""
-        count = drafts.shape[1] + 1
-        positions = self.buffer.next_positions(count)  # [B, N + 1]
-        if self.fed < self.buffer.width - 1:  # prompt columns not in the cache yet
-            positions = torch.cat([self.buffer.positions[:, self.fed:-1], positions], dim=1)
-        out = self.model(input_ids=torch.cat([self.buffer.tokens[:, self.fed:], drafts], dim=1),
-                         attention_mask=self.buffer.attention_mask(count), position_ids=positions,
-                         cache=self.cache, use_cache=True, logits_to_keep=count,
-                         output_hidden_states=self.assistant.wants_hidden_states)
+    def _verify_forward(self, plan):
+        """One target forward over the columns the cache lacks and the drafts (inputs from ``plan``); returns the
+        full batch's logits [B, N + 1, V] and, for feature drafters, the active rows' last hidden states
+        [A, N + 1, H] of the root and the drafts."""
+        if plan.is_tree and self.fed < self.buffer.width - 1:
+            self._feed_prompt()  # a tree's 4D mask covers the root and the nodes only
+        inputs = plan.forward_inputs(self.buffer, self.fed, self.rows, self.cache, self.model.dtype)
+        wants_hidden = self.assistant.wants_hidden_states
+        out = self.model(**inputs, cache=self.cache, use_cache=True, output_hidden_states=wants_hidden)
         self.cache = out.cache if self.cache is None else self.cache
-        hidden = out.hidden_states[-1][:, -count:] if self.assistant.wants_hidden_states else None
-        return out.logits, hidden
+        hidden = out.hidden_states[-1][:, -inputs["logits_to_keep"]:] if wants_hidden else None
+        return self.rows.expand(out.logits), hidden
 
-    def _verify(self, proposal: DraftProposal, scores: torch.Tensor):
-        if not self.do_sample:
-            return greedy_verify(proposal.tokens, scores.argmax(dim=-1), proposal.parents)
-        return rejection_verify(proposal.tokens, torch.softmax(scores, dim=-1), proposal.probs, proposal.parents)
-
-    def _roll_back(self, rejected: int) -> None:
-        # sliding-window layers recording their past also need crop(0) to shrink back to the window
-        if rejected > 0 or self.sliding:
-            self.cache.crop(-rejected)
+    def _feed_prompt(self) -> None:
+        """Put the buffer's columns before the root into the cache (a first round verifying a tree)."""
+        mask = self.buffer.mask[:, :-1] if self.buffer.has_holes else None
+        out = self.model(input_ids=self.buffer.tokens[:, self.fed:-1], attention_mask=mask,
+                         position_ids=self.buffer.positions[:, self.fed:-1], cache=self.cache, use_cache=True,
+                         logits_to_keep=1)
+        self.cache = out.cache if self.cache is None else self.cache
+        self.fed = self.buffer.width - 1
 
     # ------------------------------------------------------------------------------------------ emit
     def _record(self, scores, logits, positions, keep) -> None:
@@ -267,15 +268,16 @@ class SpeculativeDecoder:
             for row, count in enumerate(keep.tolist()):
                 store[row].append(picked[row, :count].float())
 
-    def _telemetry(self, proposal, result, keep, alive, hidden, draft_s, verify_s, prompt_tokens) -> None:
-        num_draft = proposal.tokens.shape[1]
+    def _telemetry(self, plan, result, keep, alive, hidden, draft_s, verify_s, prompt_tokens) -> None:
+        # per position j of a chain, per depth j + 1 of a tree
+        num_draft = plan.num_draft
         accepted = result.num_accepted[alive]
         per_position = [int((accepted > j).sum()) for j in range(num_draft)]
         self.stats.record_round(num_draft, int(alive.sum()), int(keep.sum()), per_position, draft_s, verify_s,
-                                proposal.draft_forwards)
-        rows = self.rows
-        self.assistant.observe(RoundOutcome(self.buffer.width - 1, rows.take(result.num_accepted), rows.take(alive),
-                                            num_draft, draft_s, verify_s, hidden, prompt_tokens))
+                                plan.proposal.draft_forwards)
+        num_accepted, live, nodes = self.rows.take_all(result.num_accepted, alive, result.accepted_nodes)
+        self.assistant.observe(RoundOutcome(self.buffer.width - 1, num_accepted, live, num_draft, draft_s, verify_s,
+                                            hidden, prompt_tokens, accepted_nodes=nodes))
 
     def _stream(self, final: bool = False) -> None:
         """Hand the streamer every column that all live rows have completed (only final tokens)."""
@@ -335,9 +337,18 @@ def _may_drop_rows(cache, assistant: Drafter) -> bool:
             and all(callable(getattr(layer, "batch_select_indices", None)) for layer in cache.layers))
 
 
-def _sync(tensor: torch.Tensor) -> None:
+def _now(tensor: torch.Tensor) -> float:
     if tensor.device.type == "cuda":  # honest timings for the auto draft length
         torch.cuda.synchronize(tensor.device)
+    return time.perf_counter()
+
+
+def _check_tree_support(model, sliding: bool) -> None:
+    """Trees need a custom 4D mask through the target's attention and no sliding windows (the mask replaces them)."""
+    check_tree_attention(_compat.attn_implementation(model.config))
+    if sliding or _has_sliding_layers(model.config):
+        raise NotImplementedError("tree verification does not support sliding-window attention layers: the tree's "
+                                  "4D mask would replace the window. Use a chain drafter (e.g. tree='chain').")
 
 
 def _has_sliding_layers(config) -> bool:

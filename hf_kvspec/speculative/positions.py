@@ -18,17 +18,8 @@ from __future__ import annotations
 
 import torch
 from transformers import LogitsProcessorList, StoppingCriteriaList
-from transformers.generation import logits_process as lp
-from transformers.generation import stopping_criteria as sc
 
-# Processors whose output depends on the scores only (not on input_ids or its length).
-_SCORE_ONLY = tuple(
-    getattr(lp, name) for name in (
-        "TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper", "MinPLogitsWarper", "TopHLogitsWarper",
-        "TypicalLogitsWarper", "EpsilonLogitsWarper", "EtaLogitsWarper", "InfNanRemoveLogitsProcessor",
-        "LogitNormalization", "SuppressTokensLogitsProcessor",
-    ) if hasattr(lp, name)
-)
+from hf_kvspec import _compat
 
 
 class History:
@@ -100,7 +91,8 @@ class PositionwiseProcessor:
 
     def __init__(self, processors: LogitsProcessorList | None):
         self.processors = list(processors or [])
-        self.score_only = [isinstance(proc, _SCORE_ONLY) for proc in self.processors]
+        score_only = _compat.score_only_processor_classes()  # scores only, never input_ids
+        self.score_only = [isinstance(proc, score_only) for proc in self.processors]
 
     def __bool__(self) -> bool:
         return bool(self.processors)
@@ -152,11 +144,10 @@ class PositionwiseStopper:
         self.max_length = None
         self.others = []
         for criterion in criteria or []:
-            if isinstance(criterion, sc.EosTokenCriteria):
-                ids = criterion.eos_token_id.reshape(-1)
+            ids, limit = _compat.eos_criterion_ids(criterion), _compat.max_length_criterion_limit(criterion)
+            if ids is not None:
                 self.eos = ids if self.eos is None else torch.cat([self.eos, ids])
-            elif isinstance(criterion, sc.MaxLengthCriteria):
-                limit = criterion.max_length
+            elif limit is not None:
                 self.max_length = limit if self.max_length is None else min(limit, self.max_length)
             else:
                 self.others.append(criterion)
