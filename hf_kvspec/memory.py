@@ -11,7 +11,9 @@ Formulas (per token, per layer; ``E`` = cached elements):
 
 Token accounting:
     sliding-window layers keep ``min(S, window - 1)`` tokens: transformers' ``DynamicSlidingWindowLayer``
-    stores ``window - 1`` tokens because the next query token completes the window.
+    stores ``window - 1`` tokens because the next query token completes the window. Quantized storage is
+    ``QuantizedKVCache``'s: it refuses explicit sliding/chunked ``layer_types`` and, for a config that only sets
+    ``sliding_window`` (Mistral), keeps every token (the mask applies the window), so the arithmetic does too.
     Quantized storage (KIVI-style) keeps the newest tokens in a full-precision residual window of at most
     ``R`` tokens and flushes whole groups of ``G`` from its old end (see ``quantized_token_split``).
 """
@@ -19,6 +21,7 @@ Token accounting:
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -53,9 +56,84 @@ def head_dim(config) -> int:
 
 
 def num_kv_heads(config) -> int:
+    """Key/value heads: ``num_key_value_heads``, or ``num_attention_heads`` (MHA) when it is unset (None)."""
     config = _text_config(config)
     heads = getattr(config, "num_key_value_heads", None)
-    return int(heads) if heads else int(config.num_attention_heads)
+    return int(config.num_attention_heads) if heads is None else int(heads)
+
+
+_DTYPE_NAMES = {"fp32": "float32", "float32": "float32", "fp16": "float16", "float16": "float16", "half": "float16",
+                "bf16": "bfloat16", "bfloat16": "bfloat16", "fp8": "float8_e4m3fn", "float8_e4m3fn": "float8_e4m3fn"}
+
+
+def resolve_dtype(dtype) -> torch.dtype:
+    """A ``torch.dtype`` from itself or a name (``"fp16"``, ``"float16"``, ``"bf16"``, ``"fp32"``, ``"fp8"``)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if isinstance(dtype, str) and dtype.lower().removeprefix("torch.") in _DTYPE_NAMES:
+        return getattr(torch, _DTYPE_NAMES[dtype.lower().removeprefix("torch.")])
+    if isinstance(dtype, str):
+        raise ValueError(f"dtype={dtype!r} is unknown; use a torch.dtype or one of {sorted(_DTYPE_NAMES)}.")
+    raise TypeError(f"dtype must be a torch.dtype or a name such as 'fp16'; got {type(dtype).__name__}.")
+
+
+def resolve_config(config):
+    """The config of ``config``: a transformers config, a model (its ``.config``) or a preset name."""
+    if isinstance(config, str):
+        from hf_kvspec.presets import load_config
+
+        return load_config(config)
+    if not hasattr(config, "num_hidden_layers") and hasattr(getattr(config, "config", None), "num_hidden_layers"):
+        config = config.config  # a model
+    if not hasattr(_text_config(config), "num_hidden_layers"):
+        raise TypeError(f"expected a transformers config, a model or a preset name; got {type(config).__name__}. "
+                        "Pass model.config, AutoConfig.from_pretrained(<model id>) or a name from "
+                        "hf_kvspec.presets.PRESETS.")
+    _check_heads(_text_config(config))
+    return config
+
+
+def _check_heads(config) -> None:
+    """Refuse head counts no attention layer (and so no cache) accepts."""
+    heads, kv_heads = getattr(config, "num_attention_heads", None), getattr(config, "num_key_value_heads", None)
+    if kv_heads is None or is_mla(config):
+        return
+    if not isinstance(kv_heads, int) or kv_heads <= 0:
+        raise ValueError(f"num_key_value_heads={kv_heads!r} must be a positive integer (1 for MQA, "
+                         f"num_attention_heads={heads} for MHA), or None to mean MHA.")
+    if isinstance(heads, int) and heads % kv_heads:
+        raise ValueError(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}; every "
+                         "key/value head must serve a whole group of query heads.")
+
+
+def _token_count(name: str, value) -> int:
+    try:
+        count = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an integer number of tokens/sequences, got {value!r}; "
+                        f"pass e.g. {name}=int(...)") from None
+    if count < 0:
+        raise ValueError(f"{name}={count} must be non-negative.")
+    return count
+
+
+def _check_groups(config, bits: int, group_size: int, residual_length: int) -> None:
+    """Refuse what ``QuantizedKVCache(method='kivi')`` refuses for this config: non-full layers, non-dividing
+    groups (value groups run along ``head_dim``)."""
+    config = _text_config(config)
+    unsupported = sorted(set(getattr(config, "layer_types", None) or ()) - {"full_attention"})
+    if unsupported:
+        raise ValueError(f"QuantizedKVCache supports full-attention layers only; this model has {unsupported}. "
+                         "Use bits=None (full precision) for this config.")
+    if is_mla(config):
+        return
+    dim = head_dim(config)
+    if dim % group_size:
+        step = 8 // math.gcd(8, bits)
+        fits = [g for g in range(step, dim + 1, step) if dim % g == 0 and residual_length % g == 0]
+        raise ValueError(f"KIVI value groups run along head_dim={dim}, so group_size={group_size} must divide it. "
+                         f"Group sizes that work with bits={bits} and residual_length={residual_length}: "
+                         f"{', '.join(map(str, fits)) or 'none'}.")
 
 
 def layer_kv_specs(config) -> list[LayerKV]:
@@ -164,16 +242,17 @@ def kv_cache_bytes(
                          tokens leave the residual window one at a time.
             A K/V row is one kv head of K or of V (``2 · H_kv`` rows per token; 2 for MLA).
     """
-    if seq_len < 0 or batch_size < 0:
-        raise ValueError("seq_len and batch_size must be non-negative.")
+    config, dtype = resolve_config(config), resolve_dtype(dtype)
+    seq_len, batch_size = _token_count("seq_len", seq_len), _token_count("batch_size", batch_size)
     if bits is not None and scale_layout != "group":
         return _per_row_scaled_bytes(config, seq_len, dtype, bits, residual_length, scale_layout) * batch_size
     if bits is not None:
         check_quant_params(bits, group_size, residual_length)
+        _check_groups(config, bits, group_size, residual_length)
     elem_bytes = dtype_bytes(dtype)
     total = 0
     for layer in layer_kv_specs(config):
-        tokens = stored_tokens(seq_len, layer.window)
+        tokens = stored_tokens(seq_len, layer.window if bits is None else None)
         if bits is None:
             total += tokens * layer.elements_per_token * elem_bytes
             continue
@@ -194,10 +273,11 @@ def _per_row_scaled_bytes(config, seq_len: int, dtype: torch.dtype, bits: int, r
     if bits != 8 or residual_length < 0:
         raise ValueError(f"scale_layout={layout!r} stores 8-bit codes with residual_length >= 0; "
                          f"got bits={bits}, residual_length={residual_length}.")
+    _check_groups(config, bits, 1, 0)  # no groups: only the layer types can be refused
     rows = 2 if is_mla(config) else 2 * num_kv_heads(config)
     total = 0
     for layer in layer_kv_specs(config):
-        tokens = stored_tokens(seq_len, layer.window)
+        tokens = stored_tokens(seq_len, None)  # QuantizedKVCache keeps every token (see the module docstring)
         quantized, residual = quantized_token_split(tokens, 1, residual_length)
         total += quantized * layer.elements_per_token + residual * layer.elements_per_token * dtype_bytes(dtype)
         scaled_tokens = quantized if layout == "token" else min(tokens, 1)  # per-head: one scale set per row
@@ -207,6 +287,7 @@ def _per_row_scaled_bytes(config, seq_len: int, dtype: torch.dtype, bits: int, r
 
 def kv_bytes_per_token(config, dtype: torch.dtype = torch.bfloat16) -> int:
     """Full-precision bytes per token across all layers (ignoring sliding-window caps)."""
+    config, dtype = resolve_config(config), resolve_dtype(dtype)
     return sum(layer.elements_per_token for layer in layer_kv_specs(config)) * dtype_bytes(dtype)
 
 
@@ -214,6 +295,7 @@ def parameter_bytes(config, dtype: torch.dtype = torch.bfloat16) -> int:
     """Approximate weight bytes of a model built from ``config`` (meta-device init, no allocation)."""
     from transformers import AutoModelForCausalLM
 
+    config, dtype = resolve_config(config), resolve_dtype(dtype)
     with torch.device("meta"):  # shapes only; some modules allocate parameters with bare torch.empty
         model = AutoModelForCausalLM.from_config(config)
     return sum(p.numel() for p in model.parameters()) * dtype_bytes(dtype)
@@ -227,7 +309,10 @@ def max_batch_size(
     weight_bytes: int | None = None,
     **quant,
 ) -> int:
-    """Largest batch whose KV cache fits in ``budget_bytes`` after the weights."""
+    """Largest batch whose KV cache fits in ``budget_bytes`` after the weights (0 when the weights alone do not fit)."""
+    config, dtype = resolve_config(config), resolve_dtype(dtype)
+    if budget_bytes < 0:
+        raise ValueError(f"budget_bytes={budget_bytes} must be non-negative.")
     weights = parameter_bytes(config, dtype) if weight_bytes is None else weight_bytes
     per_seq = kv_cache_bytes(config, seq_len, 1, dtype, **quant)
     free = budget_bytes - weights

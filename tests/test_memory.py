@@ -148,3 +148,61 @@ def test_parse_bytes_rejects_garbage():
 def test_format_bytes():
     assert format_bytes(1.25 * GiB) == "1.25 GiB"
     assert format_bytes(512) == "512 B"
+
+
+# --- refuse what the caches refuse; accept what users pass (issue 18, item 6) -----------------------------------
+
+
+@pytest.mark.parametrize("overrides,kwargs,match", [
+    ({"head_dim": 16}, {"bits": 4, "group_size": 64}, r"group_size=64 must divide it.*16"),
+    ({"num_key_value_heads": 0}, {}, r"num_key_value_heads=0"),
+    ({"num_key_value_heads": 3}, {}, r"num_attention_heads=4.*num_key_value_heads=3"),
+])
+def test_refuses_layouts_no_cache_accepts(overrides, kwargs, match):
+    config = tiny_config("llama")
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    with pytest.raises(ValueError, match=match):
+        kv_cache_bytes(config, 256, **kwargs)
+
+
+@pytest.mark.parametrize("seq_len,batch", [(4.5, 1), (4, 1.5), ("4", 1)])
+def test_refuses_fractional_token_counts(seq_len, batch):
+    with pytest.raises(TypeError, match="integer"):
+        kv_cache_bytes(tiny_config("llama"), seq_len, batch)
+
+
+@pytest.mark.parametrize("bad,match", [
+    (None, "got None.*config"),
+    (42, "got int.*config"),
+])
+def test_wrong_config_type_names_the_fix(bad, match):
+    with pytest.raises(TypeError, match=match):
+        kv_cache_bytes(bad, 16)
+
+
+@pytest.mark.parametrize("dtype,expected", [
+    ("fp16", torch.float16), ("float16", torch.float16), ("bf16", torch.bfloat16), ("bfloat16", torch.bfloat16),
+    ("fp32", torch.float32), ("fp8", torch.float8_e4m3fn), (torch.float16, torch.float16),
+])
+def test_accepts_dtype_names_and_a_model(dtype, expected):
+    model = tiny_model("llama")
+    assert kv_cache_bytes(model, 16, 2, dtype) == kv_cache_bytes(model.config, 16, 2, expected)
+
+
+def test_unknown_dtype_name_lists_the_known_ones():
+    with pytest.raises(ValueError, match="'fp16'"):
+        kv_cache_bytes(tiny_config("llama"), 16, dtype="half-ish")
+
+
+def test_accepts_a_preset_name():
+    assert kv_cache_bytes("llama-3-70b", 4096, dtype="fp16") == 1_342_177_280
+
+
+def test_quantized_sliding_layers_follow_quantized_kv_cache():
+    """QuantizedKVCache refuses explicit sliding layer types and keeps every token of a Mistral-style config."""
+    with pytest.raises(ValueError, match="full-attention layers only"):
+        kv_cache_bytes(tiny_config("gemma2"), 64, bits=4, group_size=16)
+    mistral, full = tiny_config("mistral"), tiny_config("mistral", sliding_window=None)
+    assert kv_cache_bytes(mistral, 64, bits=4, group_size=16) == kv_cache_bytes(full, 64, bits=4, group_size=16)
+    assert kv_cache_bytes(mistral, 64) < kv_cache_bytes(full, 64)  # DynamicCache keeps window - 1 tokens
