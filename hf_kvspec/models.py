@@ -3,9 +3,9 @@
 Boundary: this module knows where the bundled checkpoints live and how to turn them into a
 ``(model, tokenizer)`` pair. It knows nothing about caches, attention or speculative decoding.
 
-The first load dequantizes the GGUF with transformers' GGUF loader (about 35 s on 2 CPU cores) and
+The first load dequantizes the GGUF with transformers' GGUF loader (slow, and done once) and
 writes a plain fp32 safetensors checkpoint + tokenizer to ``<cache_dir>/<name>``. Later loads read
-that copy (under a second).
+that copy.
 """
 
 from __future__ import annotations

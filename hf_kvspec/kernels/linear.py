@@ -4,16 +4,15 @@ Boundary: swaps the ``forward`` of eligible ``nn.Linear`` instances while a ``De
 puts it back on exit; weights, state dicts and every other module are untouched. The kernels are in ``ops.py``,
 the choice per shape and row bucket in ``trials.py``, the weight copies in ``copies.py``.
 
+Opt-in: ``speculative_generate(..., decode_kernels=True)`` or ``with hf_kvspec.decode_kernels(model): ...``;
+nothing imports this package unless asked. The stock path (``F.linear``) is the reference.
+
 Why: decoding runs linear layers on 1 row (plain decode, draft forwards) or on a handful of rows (a
 speculative verify forward: ``K + 1`` rows per sequence). On CPUs where torch's stock ``F.linear`` (MKL sgemm)
-is slow for 2-16 rows, a verify forward costs about twice a 1-row forward, which eats the gain of
-speculation. Measured on the 2-core AMD EPYC (Zen 3) this project benchmarks on, one thread, fp32:
-
-    shape (out x in)   rows   stock    oneDNN prepacked   transposed copy
-    1536 x 576           5    356 us   239 us              364 us
-    576 x 1536           5    297 us   225 us              296 us
-    49152 x 576 (head)   1    8.2 ms   7.3 ms              4.2 ms
-    49152 x 576 (head)   5   20.9 ms   9.4 ms             27.7 ms
+is slow for 2-16 rows, a verify forward can cost about twice a 1-row forward, which eats the gain of
+speculation. Which kernel wins depends on the CPU, the shape and the row count, so nothing is hard-coded: the
+choice is timed on the first real calls (``trials.py``). Per-shape timings on the machine this project
+benchmarks on: docs/speculative.md, "Decode kernels (opt-in, CPU)".
 
 Eligible: exactly ``nn.Linear`` (not subclasses such as quantized linears), fp32 weight on CPU, no other
 instance-level ``forward`` (e.g. accelerate hooks). Per call, stock runs when autograd is needed, under CPU
