@@ -1,77 +1,179 @@
 """``hf-kvspec`` command line: ``generate`` on the bundled model and ``memory`` arithmetic.
 
-Boundary: argument parsing and printing only; every computation lives in the library.
+Boundary: argument parsing and printing only; every computation lives in the library. Arguments are checked
+before anything heavy runs (types in ``argparse``, combinations in ``_check_*``), and torch/transformers are
+imported only by the command that runs, so ``hf-kvspec --help`` stays instant.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
+import math
 import sys
 import time
+from pathlib import Path
 
-import torch
+_DTYPE_NAMES = ("bf16", "fp16", "fp32", "fp8")
 
-from hf_kvspec.memory import format_bytes
+
+def _count(minimum: int):
+    """An argparse ``type=``: an int of at least ``minimum``."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"needs an integer, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"needs an integer >= {minimum}, got {value}")
+        return value
+    return parse
+
+
+def _temperature(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"needs a number, got {text!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"needs a finite number >= 0 (0 = greedy), got {text!r}")
+    return value
+
+
+def _draft_tokens(text: str) -> int | str:
+    if text == "auto" or text.isdigit():
+        return text if text == "auto" else int(text)
+    raise argparse.ArgumentTypeError(f"takes a non-negative int or 'auto', got {text!r}")
+
+
+def _byte_size(text: str) -> int:
+    from hf_kvspec.memory import parse_bytes
+
+    try:
+        value = parse_bytes(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"needs a positive size, e.g. '80GiB', got {text!r}")
+    return value
 
 
 def _add_memory(subparsers) -> None:
     p = subparsers.add_parser("memory", help="KV-cache bytes for a config: per token, per sequence, total")
     p.add_argument("config", help="preset name (llama-3-70b, llama-2-7b, deepseek-v2, deepseek-v3, smollm2-135m), "
                                   "a config.json path or a local model directory")
-    p.add_argument("--seq-len", type=int, default=4096)
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--dtype", default="fp16", choices=sorted(_DTYPES))
+    p.add_argument("--seq-len", type=_count(1), default=4096)
+    p.add_argument("--batch", type=_count(1), default=1)
+    p.add_argument("--dtype", default="fp16", choices=_DTYPE_NAMES)
     p.add_argument("--bits", type=int, default=None, choices=(2, 4, 8), help="group-quantized code bits")
-    p.add_argument("--group-size", type=int, default=64)
-    p.add_argument("--residual-length", type=int, default=0)
-    p.add_argument("--budget", default=None, help="memory budget, e.g. 80GiB: prints the max batch after weights")
-    p.set_defaults(func=_run_memory)
+    p.add_argument("--group-size", type=_count(1), default=None, help="with --bits (default 64)")
+    p.add_argument("--residual-length", type=_count(0), default=None, help="with --bits (default 0)")
+    p.add_argument("--budget", type=_byte_size, default=None,
+                   help="memory budget, e.g. 80GiB: prints the max batch after weights")
+    p.set_defaults(func=_run_memory, check=functools.partial(_check_memory, p))
 
 
-_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
+def _check_memory(parser, args) -> None:
+    if args.bits is None:
+        given = [flag for flag, value in (("--group-size", args.group_size), ("--residual-length",
+                                                                                args.residual_length)) if value is not None]
+        if given:
+            parser.error(f"{' and '.join(given)} set the quantized layout; add --bits 2, 4 or 8 (or drop them).")
+        return
+    args.group_size = 64 if args.group_size is None else args.group_size
+    args.residual_length = 0 if args.residual_length is None else args.residual_length
+    from hf_kvspec.memory import check_quant_params
+
+    try:
+        check_quant_params(args.bits, args.group_size, args.residual_length)
+    except ValueError as err:
+        parser.error(str(err))
 
 
 def _run_memory(args) -> None:
-    from hf_kvspec.memory import kv_cache_bytes, max_batch_size, parameter_bytes, parse_bytes
+    from hf_kvspec.memory import format_bytes, kv_cache_bytes, max_batch_size, parameter_bytes
     from hf_kvspec.presets import load_config
 
     config = load_config(args.config)
-    dtype = _DTYPES[args.dtype]
-    quant = {"bits": args.bits, "group_size": args.group_size, "residual_length": args.residual_length}
-    per_seq = kv_cache_bytes(config, args.seq_len, 1, dtype, **quant)
+    quant = {}
+    if args.bits is not None:
+        quant = {"bits": args.bits, "group_size": args.group_size, "residual_length": args.residual_length}
+    per_seq = kv_cache_bytes(config, args.seq_len, 1, args.dtype, **quant)
     # quantized storage has no per-token size of its own (groups, residual window): report the average
-    per_token = kv_cache_bytes(config, 1, 1, dtype) if args.bits is None else per_seq / max(args.seq_len, 1)
+    per_token = kv_cache_bytes(config, 1, 1, args.dtype) if args.bits is None else per_seq / args.seq_len
     storage = f"{args.bits}-bit, group {args.group_size}" if args.bits else args.dtype
     print(f"{args.config}: {config.num_hidden_layers} layers, KV storage {storage}")
     print(f"  per token:    {format_bytes(per_token)} ({per_token:,.0f} B)")
     print(f"  per sequence: {format_bytes(per_seq)} ({per_seq:,} B) at {args.seq_len} tokens")
     print(f"  total:        {format_bytes(per_seq * args.batch)} ({per_seq * args.batch:,} B) for batch {args.batch}")
     if args.budget:
-        weights = parameter_bytes(config, dtype if args.dtype != "fp8" else torch.float16)
-        budget = parse_bytes(args.budget)
-        best = max_batch_size(config, args.seq_len, budget, dtype, weight_bytes=weights, **quant)
-        print(f"  budget {format_bytes(budget)}: weights {format_bytes(weights)}, "
-              f"max batch {best} at {args.seq_len} tokens")
+        weights = parameter_bytes(config, args.dtype if args.dtype != "fp8" else "fp16")
+        best = max_batch_size(config, args.seq_len, args.budget, args.dtype, weight_bytes=weights, **quant)
+        note = "; the weights alone exceed the budget" if weights > args.budget else ""
+        print(f"  budget {format_bytes(args.budget)}: weights {format_bytes(weights)}, "
+              f"max batch {best} at {args.seq_len} tokens{note}")
 
 
 def _add_generate(subparsers) -> None:
     from hf_kvspec.cache.factory import CACHE_CHOICES
+    from hf_kvspec.speculative.assistants import ASSISTANT_HELP
 
     p = subparsers.add_parser("generate", help="stream an answer from the bundled model, then print stats")
     p.add_argument("prompt")
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--max-new-tokens", type=_count(1), default=128)
     p.add_argument("--cache", default="dynamic", choices=CACHE_CHOICES)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--temperature", type=_temperature, default=0.0, help="0 = greedy")
     p.add_argument("--model", default="smollm2-135m-instruct", help="bundled model name")
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--threads", type=_count(1), default=2)
     p.add_argument("--no-chat", action="store_true", help="feed the prompt raw, without the chat template")
-    p.add_argument("--assistant", default=None,
-                   help="speculative decoding drafter: ngram | draft:<causal LM dir> | draft:truncated:<N layers>")
-    p.add_argument("--num-draft-tokens", default="4", help="draft tokens per round (K), or 'auto'")
-    p.add_argument("--stock-kernels", action="store_true",
-                   help="with --assistant: keep torch's stock linear kernels instead of hf_kvspec's measured "
-                        "decode kernels (same results up to rounding; no weight copies)")
-    p.set_defaults(func=_run_generate)
+    p.add_argument("--assistant", default=None, help=f"speculative decoding drafter: {ASSISTANT_HELP}")
+    p.add_argument("--num-draft-tokens", type=_draft_tokens, default=None,
+                   help="with --assistant: draft tokens per round (K), or 'auto' (default 4)")
+    kernels = p.add_mutually_exclusive_group()
+    kernels.add_argument("--decode-kernels", action="store_true",
+                         help="with --assistant: use hf_kvspec's measured CPU decode kernels for small-row linear "
+                              "calls (same results up to rounding; keeps weight copies). Off by default")
+    kernels.add_argument("--stock-kernels", action="store_true",
+                         help="with --assistant: torch's stock linear kernels (the default; kept for old scripts)")
+    p.set_defaults(func=_run_generate, check=functools.partial(_check_generate, p))
+
+
+def _check_generate(parser, args) -> None:
+    if args.assistant is None:
+        given = [flag for flag, on in (("--num-draft-tokens", args.num_draft_tokens is not None),
+                                       ("--decode-kernels", args.decode_kernels),
+                                       ("--stock-kernels", args.stock_kernels)) if on]
+        if given:
+            parser.error(f"{' and '.join(given)} apply to speculative decoding; add --assistant "
+                         "(e.g. --assistant ngram) or drop them.")
+    else:
+        problem = _assistant_problem(args.assistant)
+        if problem:
+            parser.error(f"--assistant: {problem}")
+    args.num_draft_tokens = 4 if args.num_draft_tokens is None else args.num_draft_tokens
+    from hf_kvspec.models import BUNDLED_MODELS
+
+    if args.model not in BUNDLED_MODELS:
+        parser.error(f"--model {args.model!r} is not a bundled model; choose one of {', '.join(BUNDLED_MODELS)}.")
+
+
+def _assistant_problem(spec: str) -> str | None:
+    """What is wrong with an ``--assistant`` spec that can be told without the model (``assistants.py`` grammar)."""
+    from hf_kvspec.speculative.assistants import ASSISTANT_HELP
+
+    if spec == "ngram":
+        return None
+    if spec.startswith("draft:truncated:"):
+        layers = spec.removeprefix("draft:truncated:")
+        if not layers.isdigit():
+            return f"draft:truncated:<N> needs a layer count, got {spec!r}"
+        return None if int(layers) >= 1 else f"draft:truncated:<N> needs at least 1 layer, got {spec!r}"
+    if spec.startswith("draft:"):
+        path = Path(spec.removeprefix("draft:")).expanduser()
+        if not (path / "config.json").is_file():
+            return f"{spec}: not a model directory (no config.json); save one with save_pretrained()"
+        return None
+    return f"Unknown assistant {spec!r}; use {ASSISTANT_HELP}"
 
 
 def _prompt_ids(tokenizer, prompt: str, chat: bool) -> dict:
@@ -83,6 +185,7 @@ def _prompt_ids(tokenizer, prompt: str, chat: bool) -> dict:
 
 
 def _run_generate(args) -> None:
+    import torch
     from transformers import TextStreamer
 
     from hf_kvspec.cache.factory import cache_nbytes, enable_cache_attention, make_cache
@@ -109,14 +212,17 @@ def _run_generate(args) -> None:
 def _speculative_kwargs(args, model) -> dict:
     if args.assistant is None:
         return {}
-    from hf_kvspec.speculative.assistants import make_assistant, parse_num_draft_tokens
+    from hf_kvspec.speculative.assistants import make_assistant
     from hf_kvspec.speculative.loop import speculative_generate
 
-    assistant = make_assistant(args.assistant, model, parse_num_draft_tokens(args.num_draft_tokens))
-    return {"custom_generate": speculative_generate, "assistant": assistant, "decode_kernels": not args.stock_kernels}
+    num_draft_tokens = 4 if args.num_draft_tokens is None else args.num_draft_tokens
+    assistant = make_assistant(args.assistant, model, num_draft_tokens)
+    return {"custom_generate": speculative_generate, "assistant": assistant, "decode_kernels": args.decode_kernels}
 
 
 def _print_stats(new_tokens: int, elapsed: float, kv_bytes: int, cache_name: str, acceptance=None) -> None:
+    from hf_kvspec.memory import format_bytes
+
     # plain decoding: one target forward per token; speculative: measured by the loop
     tau = acceptance.tokens_per_target_forward if acceptance is not None else 1.0
     rows = [
@@ -148,7 +254,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    args.check(args)  # a bad combination exits 2 here, before any config or model is loaded
     try:
         args.func(args)
     except (ValueError, RuntimeError) as err:  # user-facing errors: message, not traceback

@@ -328,9 +328,13 @@ def parse_bytes(text: str) -> int:
     cleaned = text.strip().lower().replace(" ", "")
     number = cleaned.rstrip("abcdefghijklmnopqrstuvwxyz")
     unit = cleaned[len(number):]
-    if unit not in _UNITS or not number:
+    try:
+        value = float(number) * _UNITS[unit]
+    except (KeyError, ValueError):
+        value = -1.0
+    if not 0 <= value < math.inf:
         raise ValueError(f"Cannot parse a byte size from {text!r}; use e.g. '80GiB', '500MB' or '1048576'.")
-    return int(float(number) * _UNITS[unit])
+    return int(value)
 
 
 def format_bytes(num: float) -> str:

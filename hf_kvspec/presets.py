@@ -48,9 +48,22 @@ def load_config(spec: str):
     if path.is_dir():
         path = path / "config.json"
     if path.is_file():
-        fields = json.loads(path.read_text())
-        if "model_type" not in fields:
-            raise ValueError(f"{path} has no 'model_type'; is it a transformers config.json?")
-        return AutoConfig.for_model(fields.pop("model_type"), **fields)
+        return _config_from_json(path)
     names = ", ".join(PRESETS)
     raise ValueError(f"{spec!r} is not a preset ({names}), a config.json file or a model directory.")
+
+
+def _config_from_json(path: Path):
+    """A config from a ``config.json``; every failure names the file."""
+    from transformers import AutoConfig
+
+    try:
+        fields = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path} is not valid JSON ({err}); point at a transformers config.json.") from None
+    if not isinstance(fields, dict) or "model_type" not in fields:
+        raise ValueError(f"{path} has no 'model_type'; is it a transformers config.json?")
+    try:
+        return AutoConfig.for_model(fields.pop("model_type"), **fields)
+    except (ValueError, TypeError, KeyError) as err:
+        raise ValueError(f"{path}: transformers cannot build a config from it ({err}).") from None

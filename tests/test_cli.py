@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+
+import pytest
 
 from hf_kvspec.cli import main
 
@@ -44,3 +48,70 @@ def test_generate_streams_and_prints_stats(bundled, capsys):
     out = capsys.readouterr().out
     for row in ("tokens/s", "tokens per target forward", "KV bytes (dynamic)"):
         assert row in out
+
+
+# --- validation before any model load; a --help without torch (issue 18, item 5) -------------------------------
+
+@pytest.fixture
+def no_model_load(monkeypatch):
+    """Fail the test if the CLI tries to load a model: every case below must be refused before that."""
+    import hf_kvspec.models
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model was loaded before the arguments were validated")
+
+    monkeypatch.setattr(hf_kvspec.models, "load_bundled_model", refuse)
+
+
+@pytest.mark.parametrize("argv,fragment", [
+    (["generate", "hi", "--assistant", "nonsense"], "Unknown assistant 'nonsense'"),
+    (["generate", "hi", "--assistant", "draft:truncated:x"], "layer count"),
+    (["generate", "hi", "--assistant", "draft:truncated:0"], "at least 1"),
+    (["generate", "hi", "--assistant", "draft:/no/such/dir"], "no config.json"),
+    (["generate", "hi", "--assistant", "ngram", "--num-draft-tokens", "-1"], "--num-draft-tokens"),
+    (["generate", "hi", "--num-draft-tokens", "4"], "--assistant"),
+    (["generate", "hi", "--decode-kernels"], "--assistant"),
+    (["generate", "hi", "--max-new-tokens", "-5"], "--max-new-tokens"),
+    (["generate", "hi", "--max-new-tokens", "0"], "--max-new-tokens"),
+    (["generate", "hi", "--temperature", "-1"], "--temperature"),
+    (["generate", "hi", "--temperature", "nan"], "--temperature"),
+    (["generate", "hi", "--threads", "0"], "--threads"),
+    (["generate", "hi", "--model", "no-such-model"], "--model"),
+    (["memory", "llama-2-7b", "--budget=-5GiB"], "--budget"),
+    (["memory", "llama-2-7b", "--budget", "lots"], "--budget"),
+    (["memory", "llama-2-7b", "--group-size", "32"], "--bits"),
+    (["memory", "llama-2-7b", "--residual-length", "128"], "--bits"),
+    (["memory", "llama-2-7b", "--seq-len", "-1"], "--seq-len"),
+    (["memory", "llama-2-7b", "--batch", "0"], "--batch"),
+    (["memory", "llama-2-7b", "--bits", "4", "--group-size", "3"], "group_size=3"),
+])
+def test_bad_arguments_are_refused_before_the_model_loads(no_model_load, capsys, argv, fragment):
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    assert fragment in capsys.readouterr().err
+
+
+def test_malformed_json_config_names_its_file(tmp_path, capsys):
+    path = tmp_path / "config.json"
+    path.write_text("{not json")
+    assert main(["memory", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert str(path) in err and "JSON" in err
+
+
+def test_budget_smaller_than_the_weights_says_so(capsys):
+    assert main(["memory", "llama-2-7b", "--budget", "1GiB"]) == 0
+    assert "weights alone exceed the budget" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("code", [
+    "import hf_kvspec.cli",
+    "from hf_kvspec.cli import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n    pass",
+    "from hf_kvspec.cli import main\ntry:\n    main(['generate', '--help'])\nexcept SystemExit:\n    pass",
+    "from hf_kvspec.cli import main\ntry:\n    main(['memory', '--help'])\nexcept SystemExit:\n    pass",
+])
+def test_help_does_not_import_torch(code):
+    probe = code + "\nimport sys\nprint('torch' in sys.modules, 'transformers' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    assert out.strip().splitlines()[-1] == "False False"

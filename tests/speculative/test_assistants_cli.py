@@ -51,8 +51,10 @@ def test_cli_generate_with_ngram_reports_real_tau(capsys):
     assert tau > 1.0 and "acceptance per position" in out
 
 
-@pytest.mark.parametrize(("flags", "expected"), [([], True), (["--stock-kernels"], False)])
-def test_cli_stock_kernels_flag(flags, expected):
+@pytest.mark.parametrize(("flags", "expected"), [([], False), (["--stock-kernels"], False),
+                                                (["--decode-kernels"], True)])
+def test_cli_decode_kernels_are_opt_in(flags, expected):
+    """Decode kernels change numerics (rounding) and keep weight copies: only ``--decode-kernels`` turns them on."""
     from hf_kvspec.cli import _speculative_kwargs, build_parser
     from tests.tiny_models import tiny_model
 
