@@ -26,6 +26,8 @@ _EXPORTS: dict[str, str] = {
     "EagleConfig": "hf_kvspec.heads.configuration",
     "BaseModelMismatchError": "hf_kvspec.heads.pairing",
     "load_bundled_heads": "hf_kvspec.heads.bundled",
+    # evaluate metric modules (draft acceptance, cache fidelity)
+    "load_metric": "hf_kvspec.metrics",
     # paged KV cache
     "PagedCache": "hf_kvspec.cache.paged",
     "BlockPool": "hf_kvspec.cache.block_pool",
@@ -53,6 +55,8 @@ _EXPORTS: dict[str, str] = {
     "RoundOutcome": "hf_kvspec.speculative.drafters.base",
     "DraftModelAssistant": "hf_kvspec.speculative.drafters.draft_model",
     "NgramAssistant": "hf_kvspec.speculative.drafters.ngram",
+    "MedusaAssistant": "hf_kvspec.speculative.drafters.medusa",
+    "EagleAssistant": "hf_kvspec.speculative.drafters.eagle",
     "AcceptanceStats": "hf_kvspec.speculative.stats",
     "truncated_draft": "hf_kvspec.speculative.drafters.truncated",
     "make_assistant": "hf_kvspec.speculative.assistants",

@@ -17,6 +17,7 @@ TEMPLATE_DIR = Path(__file__).parent / "model_cards"  # links to the top-level m
 DEFAULT_TEMPLATE = "draft_head.md"
 _KIND = {"hf_kvspec_medusa": ("Medusa heads", "medusa", "arxiv:2401.10774"),
          "hf_kvspec_eagle": ("EAGLE drafter", "eagle", "arxiv:2401.15077")}
+_METADATA_ORDER = ["library_name", "license", "base_model", "tags", "datasets", "hf_kvspec_acceptance", "model-index"]
 
 
 @dataclass
@@ -29,7 +30,7 @@ class CardFields:
     license: str = "apache-2.0"
     command: str | None = None
     data: list[dict] = field(default_factory=list)              # [{"source", "kind", "sequences", "tokens"}]
-    held_out: dict | None = None                                # acceptance.AcceptanceTally.as_dict() + prompts/source
+    held_out: dict | None = None       # the draft_acceptance metric's result + prompts/source (evaluate_head)
     final_train_metrics: dict | None = None
     training_paragraph: str = ""
     speedup: str | None = None
@@ -62,16 +63,38 @@ class CardFields:
 
 
 def card_metadata(config, fields: CardFields) -> dict:
-    """The YAML block: library, base_model, tags, datasets, license (+ model-index style results when measured)."""
-    _title, tag, paper = _KIND.get(config.model_type, (config.model_type, config.model_type, None))
-    metadata = {"library_name": "hf_kvspec", "license": fields.license,
-                "base_model": fields.base_model_hub_id or config.base_model_name_or_path,
-                "tags": ["speculative-decoding", "draft-model", tag, "hf_kvspec"] + ([paper] if paper else []),
-                "datasets": fields.datasets}
+    """The YAML block, built with ``huggingface_hub.ModelCardData``: library, base_model, tags, datasets, license, and
+    when measured the held-out results twice: ``model-index`` (``EvalResult`` rows, what the Hub shows as evaluation
+    results) and the compact ``hf_kvspec_acceptance`` summary."""
+    from huggingface_hub import ModelCardData
+
+    title, tag, paper = _KIND.get(config.model_type, (config.model_type, config.model_type, None))
+    base_model = fields.base_model_hub_id or config.base_model_name_or_path
+    measured = {}
     if fields.held_out:
-        metadata["hf_kvspec_acceptance"] = {"tau": round(fields.held_out["tau"], 4),
-                                           "per_head_top1": [round(x, 4) for x in fields.held_out["per_head_top1"]]}
-    return metadata
+        measured = {"model_name": fields.repo_id or f"{title} for {base_model}",
+                    "eval_results": eval_results(fields.held_out),
+                    "hf_kvspec_acceptance": {"tau": round(fields.held_out["tau"], 4),
+                                             "per_head_top1": [round(x, 4) for x in fields.held_out["per_head_top1"]]}}
+    metadata = ModelCardData(library_name="hf_kvspec", license=fields.license, base_model=base_model,
+                         tags=["speculative-decoding", "draft-model", tag, "hf_kvspec"] + ([paper] if paper else []),
+                         datasets=fields.datasets, **measured).to_dict()
+    return {key: metadata[key] for key in sorted(metadata, key=_METADATA_ORDER.index)}
+
+
+def eval_results(held_out: dict) -> list:
+    """``draft_acceptance`` results (``hf_kvspec.load_metric``, configuration "chain") as ``EvalResult`` rows: chain
+    tau, then top-1 agreement per draft position. Values rounded to 4 places, as in ``hf_kvspec_acceptance``."""
+    from huggingface_hub import EvalResult
+
+    common = dict(task_type="text-generation", task_name="Speculative decoding: draft acceptance",
+                  dataset_type=held_out["source"], metric_type="draft_acceptance", metric_config="chain",
+                  dataset_name=f"{held_out['prompts']} held-out chat prompts, answered greedily by the base model")
+    rows = [EvalResult(metric_name="Chain τ (tokens per target forward)", metric_value=round(held_out["tau"], 4),
+                       **common)]
+    rows += [EvalResult(metric_name=f"Top-1 agreement, draft position {k + 1}", metric_value=round(top1, 4), **common)
+             for k, top1 in enumerate(held_out["per_head_top1"])]
+    return rows
 
 
 def render_model_card(config, fields: CardFields | None = None, template: str | Path | None = None) -> str:
@@ -86,7 +109,7 @@ def render_model_card(config, fields: CardFields | None = None, template: str | 
     base_name = fields.base_model_hub_id or config.base_model_name_or_path
     env = jinja2.Environment(undefined=jinja2.StrictUndefined, keep_trailing_newline=True)
     return env.from_string(path.read_text()).render(
-        metadata_yaml=yaml.safe_dump(card_metadata(config, fields), sort_keys=False).strip(),
+        metadata_yaml=yaml.safe_dump(card_metadata(config, fields), sort_keys=False, allow_unicode=True).strip(),
         title=f"{title} for {base_name}", description=_description(config), base_model_name=base_name,
         config=config, repo_id=fields.repo_id or "<your-repo-id>", **{
             k: getattr(fields, k) for k in ("base_model_hub_id", "command", "data", "held_out", "speedup",

@@ -21,10 +21,8 @@ Outputs in ``--output_dir``: ``config.json`` + ``model.safetensors`` (the head o
 from __future__ import annotations
 
 import json
-import os
 import random
 import shlex
-import signal
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -112,7 +110,6 @@ class TrainArguments:
     max_train_seconds: float | None = field(default=None, metadata={
         "help": "wall-clock cap on the training loop (this process); when hit, training stops after the current "
                 "step and the head is saved and evaluated as usual. The schedule still follows --max_steps."})
-    simulate_crash_after_step: int | None = field(default=None, metadata={"help": "testing: SIGKILL after step"})
 
 
 def parse_args(argv: list[str]) -> tuple[ModelArguments, DataArguments, TrainArguments]:
@@ -320,8 +317,6 @@ def train(m, d, t, accelerator, objective, dataset, target, record: RunRecord) -
                 _log(accelerator, output_dir, completed, window, scheduler)
             if completed % t.save_steps == 0 or completed == t.max_steps:
                 save_checkpoint(accelerator, output_dir, completed, record)
-            if completed == t.simulate_crash_after_step:
-                os.kill(os.getpid(), signal.SIGKILL)  # testing aid: die like a killed job, no cleanup
             if completed >= t.max_steps or _out_of_time(t, record):
                 break
         if completed < t.max_steps and _out_of_time(t, record):
@@ -374,11 +369,12 @@ def _log(accelerator, output_dir: Path, step: int, window: _Window, scheduler) -
 
 
 def held_out(d: DataArguments, head, target, tokenizer, cache_root: Path) -> dict | None:
-    """Per-head top-1 and chain tau on the target's greedy answers to ``--eval_prompts``."""
+    """Per-head top-1 and chain tau on the target's greedy answers to ``--eval_prompts``, through the
+    ``draft_acceptance`` metric (``hf_kvspec.load_metric``; ``evaluate_head`` feeds it)."""
     if not d.eval_prompts:
         return None
     convs = held_out_conversations(d, target, tokenizer, cache_root)
-    result = evaluate_head(head, target, convs).as_dict()
+    result = evaluate_head(head, target, convs)
     return {**result, "prompts": len(convs), "source": d.eval_prompts}
 
 

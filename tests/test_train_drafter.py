@@ -1,5 +1,6 @@
 """scripts/train_drafter.py end to end on a tiny random base model: under a real ``accelerate launch``, the loss
-falls; a run killed after a checkpoint and resumed ends with exactly the parameters of an uninterrupted run."""
+falls; a run killed from outside (SIGKILL) after a checkpoint and resumed ends with exactly the parameters of an
+uninterrupted run."""
 
 from __future__ import annotations
 
@@ -7,8 +8,10 @@ import itertools
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -40,11 +43,40 @@ def _args(root: Path, output: str, *extra: str) -> list[str]:
             *extra]
 
 
+def _command(args: list[str]) -> list[str]:
+    return [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1", "--num_machines", "1",
+            "--mixed_precision", "no", "--dynamo_backend", "no", "--cpu", str(SCRIPT), *args]
+
+
+_ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
 def _launch(args: list[str]) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1", "--num_machines", "1",
-               "--mixed_precision", "no", "--dynamo_backend", "no", "--cpu", str(SCRIPT), *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    return subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
+    return subprocess.run(_command(args), capture_output=True, text=True, env=_ENV, timeout=600)
+
+
+def _launch_and_kill_after_checkpoint(args: list[str], output: Path, step: int) -> None:
+    """Start a run and SIGKILL its whole process group once ``checkpoints/step-{step}`` is complete.
+
+    Where the kill lands is made certain from outside: ``train_log.jsonl`` is created as a named pipe that nobody
+    reads, so the run blocks when it opens it for its first log line (the caller makes that come after ``step`` and
+    before the next checkpoint), and ``step-{step}`` is the only checkpoint at the kill whatever the machine's speed."""
+    output.mkdir(parents=True)
+    os.mkfifo(output / "train_log.jsonl")
+    state = output / "checkpoints" / f"step-{step}" / "trainer_state.json"  # written last by save_checkpoint
+    with open(output.parent / f"{output.name}.log", "w") as sink:
+        process = subprocess.Popen(_command(args), stdout=sink, stderr=subprocess.STDOUT, env=_ENV,
+                                   start_new_session=True)
+        deadline = time.monotonic() + 600
+        while not state.is_file() and process.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        alive = process.poll() is None
+        if alive:
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait(timeout=60)
+    assert alive and state.is_file(), (output.parent / f"{output.name}.log").read_text()[-3000:]
+    assert [path.name for path in (output / "checkpoints").iterdir()] == [f"step-{step}"]
+    (output / "train_log.jsonl").unlink()  # the resumed run logs to a plain file
 
 
 def test_accelerate_launch_loss_falls_and_resume_is_exact(workspace):
@@ -56,16 +88,16 @@ def test_accelerate_launch_loss_falls_and_resume_is_exact(workspace):
     assert all(math.isfinite(x) for x in losses), losses
     assert all(later < earlier for earlier, later in itertools.pairwise(losses)), losses  # falls at every log line
 
-    crashed = _launch(_args(workspace, "resumed", "--simulate_crash_after_step", "4"))
-    assert crashed.returncode != 0  # killed with SIGKILL right after the step-4 checkpoint
-    assert (workspace / "resumed" / "checkpoints" / "step-4").is_dir()
+    # logging every 6 steps (training is unchanged by it): the run blocks at step 6, after the step-4 checkpoint
+    _launch_and_kill_after_checkpoint(_args(workspace, "resumed", "--logging_steps", "6"), workspace / "resumed",
+                                      step=4)
     assert not (workspace / "resumed" / "model.safetensors").exists()
-    resumed = _launch(_args(workspace, "resumed", "--resume_from_checkpoint", "latest"))
+    resumed = _launch(_args(workspace, "resumed", "--logging_steps", "6", "--resume_from_checkpoint", "latest"))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stdout + resumed.stderr
 
     commands = json.loads((workspace / "resumed" / "training_summary.json").read_text())["command"].splitlines()
-    assert len(commands) == 2 and "--simulate_crash_after_step" in commands[0] and "latest" in commands[1]
+    assert len(commands) == 2 and "--resume_from_checkpoint" not in commands[0] and "latest" in commands[1]
 
     expected = load_file(str(workspace / "full" / "model.safetensors"))
     found = load_file(str(workspace / "resumed" / "model.safetensors"))

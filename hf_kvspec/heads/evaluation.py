@@ -1,6 +1,8 @@
 """Held-out evaluation of a trained head on the target's own greedy answers (full vocabulary, exact argmax).
 
-Boundary: (head, target, conversations) in, ``AcceptanceTally`` out. Conversations come from ``distill.py``.
+Boundary: (head, target, conversations) in, the ``draft_acceptance`` metric's result out. This module runs the models
+and hands token ids to that metric (``hf_kvspec/metrics/draft_acceptance.py``), which owns every count, ratio and the
+chain walk. Conversations come from ``distill.py``.
 
 Shapes: K draft depth, T positions, H hidden, F feature width, V vocabulary.
 """
@@ -9,7 +11,6 @@ from __future__ import annotations
 
 import torch
 
-from hf_kvspec.heads.acceptance import AcceptanceTally
 from hf_kvspec.heads.distill import Conversation
 from hf_kvspec.heads.features import right_padded, target_features
 
@@ -35,26 +36,32 @@ def draft_tokens(head, features: torch.Tensor, input_ids: torch.Tensor, depth: i
     return drafts
 
 
-def _medusa_feature_layers(head) -> list[int]:
+def _feature_layers(head) -> list[int]:
     return [-1] if hasattr(head, "heads") else list(head.config.feature_layers)
 
 
 @torch.no_grad()
-def evaluate_head(head, target, conversations: list[Conversation], depth: int | None = None) -> AcceptanceTally:
-    """Per-head top-1 and chain tau over each conversation's response rows (see ``acceptance.py``)."""
-    depth = depth or getattr(head.config, "num_heads", 4)
-    tally = AcceptanceTally()
-    device = next(target.parameters()).device
+def evaluate_head(head, target, conversations: list[Conversation], depth: int | None = None, metric=None) -> dict:
+    """``draft_acceptance`` over each conversation's response: per-head top-1, chain tau, counts.
+
+    ``metric`` defaults to a fresh in-memory ``load_metric("draft_acceptance")``; pass your own (e.g. one set up for
+    distributed evaluation) to add these responses to it. Responses shorter than 2 tokens carry no draft and are
+    skipped."""
+    from hf_kvspec.metrics import load_metric
+
+    metric = metric if metric is not None else load_metric("draft_acceptance", keep_in_memory=True)
     for conv in conversations:
-        if len(conv.response_ids) < 2:
-            continue
-        ids, valid = right_padded([conv.input_ids])
-        features, target_tokens = target_features(target, ids.to(device), valid.to(device),
-                                                  _medusa_feature_layers(head))
-        drafts = draft_tokens(head, features, ids.to(device), depth, conv.prompt_length - 1)  # [K, T]
-        size = ids.shape[1]
-        correct = torch.zeros_like(drafts, dtype=torch.bool)
-        for k in range(depth):
-            correct[k, : size - k - 1] = drafts[k, : size - k - 1] == target_tokens[0, k + 1:]
-        tally.add(correct.cpu(), start=conv.prompt_length - 1, end=size - 2)
-    return tally
+        if len(conv.response_ids) >= 2:
+            metric.add(**response_drafts(head, target, conv, depth or getattr(head.config, "num_heads", 4)))
+    return metric.compute()
+
+
+def response_drafts(head, target, conv: Conversation, depth: int) -> dict:
+    """One metric example: ``predictions`` [K][n] the head's drafts after each response step, ``references`` [n] the
+    target's greedy tokens at those steps (n response tokens; step t is row prompt_length - 1 + t)."""
+    device = next(target.parameters()).device
+    ids, valid = right_padded([conv.input_ids])
+    features, target_tokens = target_features(target, ids.to(device), valid.to(device), _feature_layers(head))
+    start = conv.prompt_length - 1                                   # the row that predicts the first response token
+    drafts = draft_tokens(head, features, ids.to(device), depth, start)                       # [K, T]
+    return {"predictions": drafts[:, start:-1].tolist(), "references": target_tokens[0, start:-1].tolist()}

@@ -13,7 +13,8 @@ path); DynamicCache and transformers' QuantizedCache use SDPA.
 
 * perplexity: teacher-forced *decoding* — prefill ``--prefix`` tokens, then feed the rest of each segment in
   chunks of ``--chunk`` tokens, so every predicted token attends to a quantized history (the window holds the
-  newest 128 tokens);
+  newest 128 tokens); scored token by token against DynamicCache's logits at the same positions by the
+  ``cache_fidelity`` metric (``hf_kvspec.load_metric``): perplexity, mean KL(full || cache), top-1 agreement;
 * bytes: ``nbytes()`` of a cache filled with 4096 tokens, vs DynamicCache in fp32 (the bundled model's dtype)
   and in fp16 (the usual serving dtype; the window is then fp16 too); checked against ``kv_cache_bytes``;
 * decode speed: greedy single-token steps after a ``--context``-token real-text prompt, for DynamicCache,
@@ -24,7 +25,6 @@ path); DynamicCache and transformers' QuantizedCache use SDPA.
 
 from __future__ import annotations
 
-import math
 import time
 
 import torch
@@ -85,7 +85,8 @@ def run(args) -> None:
     model, tokenizer = load_bundled_model()
     docs = [tokenizer(text, return_tensors="pt").input_ids[0] for text in load_text_corpus("python-docs", "test")["text"]]
     report = Report("kvquant", "Quantized KV caches on real text (bundled SmolLM2-135M, python-docs test split)",
-                    ["cache", "settings", "ppl", "Δppl %", "bytes ratio vs fp16", "bytes ratio vs fp32",
+                    ["cache", "settings", "ppl", "Δppl %", "KL mean", "top-1 agreement", "bytes ratio vs fp16",
+                     "bytes ratio vs fp32",
                      *[f"{metric} @{ctx}" for ctx in args.contexts
                        for metric in ("ms/token", "speed vs dynamic", "speed vs quanto")],
                      "greedy agreement", "first divergence"])
@@ -140,9 +141,9 @@ def _measure_all(model, docs, segments, args, report) -> list[dict]:
     rows = {name: {"cache": name, "settings": _describe(name)} for name in names}
     if "ppl" in args.sections:
         print(f"perplexity on {len(segments)} segments of {args.segment_len} tokens", flush=True)
-        ppl = {name: _perplexity(model, segments, name, args) for name in names}
-        for name in names:
-            rows[name].update({"ppl": ppl[name], "Δppl %": 100 * (ppl[name] / ppl["dynamic"] - 1)})
+        for name, result in _fidelity(model, segments, names, args).items():
+            rows[name].update({"ppl": result["perplexity"], "Δppl %": result["delta_perplexity_percent"],
+                               "KL mean": result["kl_divergence"], "top-1 agreement": result["top1_agreement"]})
     if "bytes" in args.sections:
         for name in ["dynamic", *CACHES]:
             fp16, fp32 = _bytes_ratios(model.config, name)
@@ -165,7 +166,7 @@ def _measure_all(model, docs, segments, args, report) -> list[dict]:
 
 
 def _section_of(column: str) -> str | None:
-    if column in ("ppl", "Δppl %"):
+    if column in ("ppl", "Δppl %", "KL mean", "top-1 agreement"):
         return "ppl"
     if column.startswith("bytes ratio"):
         return "bytes"
@@ -215,23 +216,33 @@ def _segments(docs, count: int, length: int) -> list[torch.Tensor]:
     return [d[None] for d in long_docs[:count]]  # [1, L] each
 
 
-def _perplexity(model, segments, name, args) -> float:
-    """exp(mean NLL) of every token after the prefix, predicted while decoding the segment chunk by chunk."""
-    nll, count = 0.0, 0
-    _use_attention(model, name)
+def _fidelity(model, segments, names, args) -> dict[str, dict]:
+    """{cache: ``cache_fidelity`` result}: every cache decodes each segment the same way as DynamicCache, and each
+    predicted token is scored against DynamicCache's logits there (DynamicCache against itself: KL 0)."""
+    from hf_kvspec.metrics import load_metric, token_statistics
+
+    metrics = {name: load_metric("cache_fidelity", keep_in_memory=True) for name in names}
     for ids in segments:
-        cache = _make(name, model.config)
-        logits = model(ids[:, :args.prefix], cache=cache).logits[:, -1:]
-        for start in range(args.prefix, ids.shape[1], args.chunk):
-            chunk = ids[:, start:start + args.chunk]
-            chunk_logits = model(chunk, cache=cache).logits
-            predicting = torch.cat([logits, chunk_logits[:, :-1]], dim=1)  # logits that predict `chunk`
-            nll += torch.nn.functional.cross_entropy(predicting[0].float(), chunk[0], reduction="sum").item()
-            count += chunk.shape[1]
-            logits = chunk_logits[:, -1:]
-    value = math.exp(nll / count)
-    print(f"  {name}: ppl {value:.4f}", flush=True)
-    return value
+        reference = _decoding_logits(model, ids, "dynamic", args)                        # [1, L - prefix, V]
+        for name in names:
+            logits = reference if name == "dynamic" else _decoding_logits(model, ids, name, args)
+            metrics[name].add_batch(**token_statistics(logits, reference, ids[:, args.prefix:]))
+    results = {name: metric.compute() for name, metric in metrics.items()}
+    for name, result in results.items():
+        print(f"  {name}: ppl {result['perplexity']:.4f}, KL {result['kl_divergence']:.5f}, "
+              f"top-1 {result['top1_agreement']:.4f}", flush=True)
+    return results
+
+
+def _decoding_logits(model, ids, name, args) -> torch.Tensor:
+    """Logits [1, L - prefix, V] that predict ``ids[:, prefix:]``: prefill the prefix, then decode the rest of the
+    segment [1, L] chunk by chunk through cache ``name``."""
+    _use_attention(model, name)
+    cache = _make(name, model.config)
+    logits = [model(ids[:, :args.prefix], cache=cache).logits[:, -1:]]
+    for start in range(args.prefix, ids.shape[1], args.chunk):
+        logits.append(model(ids[:, start:start + args.chunk], cache=cache).logits)
+    return torch.cat(logits, dim=1)[:, :-1]  # the segment's last position predicts past its end
 
 
 def _prompt(docs, length: int) -> torch.Tensor:

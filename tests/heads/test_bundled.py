@@ -53,7 +53,7 @@ def test_card_numbers_reproduce(bundled, kind):
     prompts = read_prompts(summary["held_out"]["source"])
     convs = self_distill(model, tokenizer, prompts, cache_dir() / "drafter_data" / "self_distill.jsonl",
                          base_model_fingerprint(model), DistillSettings(max_new_tokens=128), progress=False)
-    measured = evaluate_head(head, model, convs).as_dict()
+    measured = evaluate_head(head, model, convs)
     # fp16 storage of the head vs the fp32 head that was measured: a handful of argmax flips at most
     assert measured["tau"] == pytest.approx(summary["held_out"]["tau"], abs=0.05)
     for found, expected in zip(measured["per_head_top1"], summary["held_out"]["per_head_top1"]):

@@ -31,24 +31,24 @@ def test_oracle_drafts_from_the_greedy_text_are_all_accepted(tmp_path, monkeypat
         return torch.stack([padded[torch.arange(size) + k + 2] for k in range(depth)])
 
     monkeypatch.setattr(evaluation, "draft_tokens", oracle)
-    tally = evaluation.evaluate_head(heads, target, convs, depth=3)
-    assert tally.per_head_top1 == [1.0, 1.0, 1.0]
-    assert tally.counts == [2 * 11, 2 * 10, 2 * 9]  # 12 response tokens: head k has 11 - k rows inside
+    result = evaluation.evaluate_head(heads, target, convs, depth=3)
+    assert result["per_head_top1"] == [1.0, 1.0, 1.0]
+    assert result["positions"] == [2 * 11, 2 * 10, 2 * 9]  # 12 response tokens: head k has 11 - k rows inside
     # each response: 12 tokens, 4 per forward (3 drafts + the target's own) -> 3 forwards
-    assert (tally.emitted, tally.forwards) == (24, 6) and tally.tau == 4.0
+    assert (result["emitted_tokens"], result["target_forwards"]) == (24, 6) and result["tau"] == 4.0
 
 
 def test_never_right_drafts_give_tau_one(tmp_path, monkeypatch):
     target, convs, heads = _setup(tmp_path)
     monkeypatch.setattr(evaluation, "draft_tokens", lambda h, f, ids, depth, start=0: torch.full((depth, ids.shape[1]), -1))
-    tally = evaluation.evaluate_head(heads, target, convs, depth=3)
-    assert tally.per_head_top1 == [0.0, 0.0, 0.0] and tally.tau == 1.0
+    result = evaluation.evaluate_head(heads, target, convs, depth=3)
+    assert result["per_head_top1"] == [0.0, 0.0, 0.0] and result["tau"] == 1.0
 
 
 def test_real_heads_run_through_evaluation(tmp_path):
     target, convs, heads = _setup(tmp_path)
-    tally = evaluation.evaluate_head(heads, target, convs)
-    assert len(tally.per_head_top1) == 3 and 1.0 <= tally.tau <= 4.0
+    result = evaluation.evaluate_head(heads, target, convs)
+    assert len(result["per_head_top1"]) == 3 and 1.0 <= result["tau"] <= 4.0
 
 
 def test_skipping_prompt_rows_changes_nothing_after_them():
