@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from hf_kvspec.speculative.drafters.base import DraftContext, DraftProposal
 from hf_kvspec.speculative.positions import History, PositionwiseProcessor
 
 
@@ -39,13 +40,46 @@ class ActiveRows:
         """``[B, ...]`` -> ``[A, ...]``."""
         return full if self.complete else full[self.index]
 
-    def expand(self, active: torch.Tensor | None) -> torch.Tensor | None:
-        """``[A, ...]`` -> ``[B, ...]``, zeros in the rows that left."""
+    def expand(self, active: torch.Tensor | None, fill: int = 0) -> torch.Tensor | None:
+        """``[A, ...]`` -> ``[B, ...]``, ``fill`` in the rows that left."""
         if active is None or self.complete:
             return active
-        full = active.new_zeros((self.batch, *active.shape[1:]))
+        full = active.new_full((self.batch, *active.shape[1:]), fill)
         full[self.index] = active
         return full
+
+    def take_all(self, *full: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """``take`` of each ``[B, ...]`` tensor."""
+        return tuple(self.take(tensor) for tensor in full)
+
+    def full_proposal(self, proposal: DraftProposal) -> DraftProposal:
+        """A drafter's ``[A, N]`` proposal as ``[B, N]``: rows that left get token 0, zero probabilities and, in a
+        per-row tree, ``-1`` parents (children of the root: a valid tree whose results are discarded)."""
+        parents = proposal.parents
+        if parents is not None and parents.dim() == 2:
+            parents = self.expand(parents, fill=-1)
+        return DraftProposal(self.expand(proposal.tokens), self.expand(proposal.probs), parents,
+                             proposal.draft_forwards)
+
+    def draft_context(self, buffer, history: History, processor: PositionwiseProcessor, alive: torch.Tensor,
+                      num_draft: int, do_sample: bool) -> DraftContext:
+        """What the drafter sees: the active rows of ``history``, ``alive`` and the processors (``buffer`` is
+        already active-only)."""
+        return DraftContext(buffer, self.history(history), num_draft, do_sample, self.take(alive),
+                            self.processor(processor, history))
+
+    def leave(self, alive: torch.Tensor, buffer, cache, drafter) -> int:
+        """Take the active rows that are no longer ``alive`` [B] out of the model-facing state (buffer, cache,
+        drafter); returns how many left."""
+        still = self.take(alive)  # [A]
+        if bool(still.all()):
+            return 0
+        local = self.drop(still)
+        buffer.select_rows(local)
+        local = local.cpu()  # a CPU index selects on any device (offloaded or split caches)
+        cache.batch_select_indices(local)
+        drafter.select_rows(local)
+        return int((~still).sum())
 
     def drop(self, keep: torch.Tensor) -> torch.Tensor:
         """Keep the active rows where ``keep`` [A] is true; returns their positions [A'] among the old active rows

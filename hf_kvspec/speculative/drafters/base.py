@@ -57,7 +57,7 @@ class DraftContext:
 class DraftProposal:
     tokens: torch.Tensor  # [B, N] draft token ids
     probs: torch.Tensor | None = None  # [B, N, V] distribution each token was drawn from; None = point mass
-    parents: torch.Tensor | None = None  # [N] tree topology; None = chain
+    parents: torch.Tensor | None = None  # [N] tree topology shared by all rows, or [B, N] per row; None = chain
     draft_forwards: int = 0  # model forward passes spent on this proposal (telemetry)
 
 
@@ -71,10 +71,14 @@ class RoundOutcome:
     num_draft_tokens: int  # N that was verified
     draft_time_s: float
     verify_time_s: float
-    # [B, N + 1, H] target's last-layer hidden states over the round (when ``wants_hidden_states``); row i's
-    # newest feature, the one that produced its next token, is ``target_hidden[i, num_accepted[i]]``
+    # target's last-layer hidden states (when ``wants_hidden_states``): chain [B, N + 1, H] over the round; tree
+    # [B, 1 + max(num_accepted), H] along each row's accepted path, root first. Either way row i's newest feature,
+    # the one that produced its next token, is ``target_hidden[i, num_accepted[i]]``
     target_hidden: torch.Tensor | None = None
     prompt_tokens: int = 0  # prompt columns this round's verify forward also fed (first round): times are not costs
+    # [B, D] node index of each accepted draft token along row i's path, -1 past num_accepted[i] (for a chain
+    # 0, 1, ...); a tree drafter keeps the same nodes of its own state
+    accepted_nodes: torch.Tensor | None = None
 
 
 class Drafter(abc.ABC):
@@ -89,6 +93,9 @@ class Drafter(abc.ABC):
     #: ``select_rows`` re-indexes every per-row state, so finished rows may leave the batch (``rows.py``);
     #: a drafter that keeps per-row state and does not implement it must leave this False
     can_drop_rows: bool = False
+    #: ``propose`` may return trees: the loop checks at the start of the call that the target's attention takes a
+    #: custom 4D mask (a tree proposed without this flag is checked when it arrives)
+    proposes_trees: bool = False
 
     def __init__(self, num_draft_tokens: int | str = 4, max_draft_tokens: int = 16):
         if num_draft_tokens != "auto" and (not isinstance(num_draft_tokens, int) or num_draft_tokens < 0):

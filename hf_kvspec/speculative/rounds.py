@@ -1,0 +1,209 @@
+"""How one round's drafts meet the target: a chain or a tree, behind the same four steps.
+
+Boundary: the tensor work of one speculative round that depends on the *shape* of the proposal: the target forward's
+inputs (ids, mask, positions), the processed scores at every node, acceptance (``verify.py``), what the target cache
+keeps afterwards, and the hidden states of the kept path. The loop (``loop.py``) calls the same methods for both
+shapes and never branches on them; it owns the model call, the cache object, the stopper and the output.
+
+Glossary (on top of ``verify.py``'s):
+    root        the newest committed token (the buffer's last column, not yet in the cache). Score row 0 is the
+                target's distribution after it.
+    node n      draft token n; ``parents[n]`` is its parent node, ``-1`` the root. Score row ``n + 1``.
+    path of n   the nodes from the root's child down to n, n included; ``depth[n]`` is its length (1-based).
+    ancestors   ``[B, N, N]`` bool, ``ancestors[b, n, m]``: node m is on node n's path (n itself included).
+    kept columns ``[B, 1 + k]`` which columns of the verified segment (0 = root, ``1 + n`` = node n) survive.
+
+A chain is the tree ``parents = [-1, 0, 1, ...]``; it keeps today's fast path: one ``logits_to_keep`` forward with
+the buffer's 2D mask (the first round also feeds the prompt), one processor call for all positions, ``crop(-k)``.
+
+A tree is verified by one forward over the root plus the N nodes, flattened in node order, with an explicit 4D mask
+and positions (root position + depth); afterwards only each row's accepted path survives in the cache
+(``cache.contract.keep_positions``). Worked example, one row, tree ``a -> {b, c}``, ``b -> {d}`` drafted after the
+committed prefix ``x y`` (root ``y`` at position 1, cache holds ``x``)::
+
+    tokens  = [a, b, c, d]          parents = [-1, 0, 0, 1]       depth = [1, 2, 2, 3]
+    forward ids  = [y, a, b, c, d]  positions = [1, 2, 3, 3, 4]
+    mask rows (key columns x | y a b c d):   y: 1|1 . . . .   a: 1|1 1 . . .   b: 1|1 1 1 . .
+                                             c: 1|1 1 . 1 .   d: 1|1 1 1 . 1
+    target greedy after y, a, b = a, b, d  -> accepted path [a, b, d] (nodes 0, 1, 3), next token = argmax after d
+    kept columns = [0, 1, 2, 4] -> cache x y a b d; the buffer appends a b d + next, as for the chain a b d.
+
+Row ``b``'s 2D prefix mask (left padding and the holes of earlier rounds) masks the prefix columns of every query.
+Logits processors see, at node n, exactly the ``input_ids`` plain ``generate`` would pass after emitting n's path:
+the row's history followed by the path's tokens (``path_scores``).
+
+Shapes: ``B`` rows of the call, ``A`` active rows (``rows.py``), ``N`` nodes, ``D`` deepest path, ``S`` cached
+columns, ``W`` buffer width, ``V`` vocabulary, ``H`` hidden size.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hf_kvspec.cache.contract import keep_positions
+from hf_kvspec.speculative.drafters.base import DraftProposal
+from hf_kvspec.speculative.positions import History, PositionwiseProcessor
+from hf_kvspec.speculative.tree import CandidateTree, keep_indices
+from hf_kvspec.speculative.verify import VerifyResult, greedy_verify, is_chain, rejection_verify
+
+# Attention implementations that take a custom 4D mask as transformers passes it (as-is, additive float):
+# sdpa and eager get 4D masks from transformers' own mask builders; flex adds a tensor mask as a score_mod; ours
+# honour a caller's 4D mask (cache contract issue). flash-attention kernels take 2D padding masks only, and
+# transformers' continuous-batching ``paged|...`` functions read their own cache.
+TREE_ATTENTION = ("sdpa", "eager", "flex_attention", "kvspec_gqa", "kvspec_paged", "kvspec_quant")
+
+
+def check_tree_attention(attn_implementation: str | None) -> None:
+    """Refuse an attention implementation that cannot take a tree's custom 4D mask, naming the ones that can."""
+    name = attn_implementation or "eager"
+    if "flash" in name or name.startswith("paged|"):
+        raise ValueError(
+            f"tree verification needs an attention implementation that takes a custom 4D mask; {name!r} does not "
+            f"(flash-attention kernels read 2D padding masks only). Load the target with attn_implementation= one "
+            f"of {', '.join(TREE_ATTENTION)} (model.set_attn_implementation('sdpa')), or use a chain drafter.")
+
+
+def is_tree(proposal: DraftProposal) -> bool:
+    """Whether ``proposal`` needs tree verification: per-row parents, or shared parents that are not a chain."""
+    return not is_chain(proposal.parents, proposal.tokens.shape[1])
+
+
+def plan_round(proposal: DraftProposal) -> ChainRound | TreeRound:
+    """The round for ``proposal`` (full batch, ``[B, N]``): a ``TreeRound`` unless it is a chain."""
+    return TreeRound(proposal) if is_tree(proposal) else ChainRound(proposal)
+
+
+class ChainRound:
+    """N drafts in a line: the forward feeds the columns the cache lacks plus the drafts under the buffer's mask."""
+
+    is_tree = False
+
+    def __init__(self, proposal: DraftProposal):
+        self.proposal = proposal
+        self.num_draft = proposal.tokens.shape[1]
+
+    def forward_inputs(self, buffer, fed: int, rows, cache, dtype) -> dict:
+        """Model kwargs (active rows) over buffer columns ``fed..W-1`` (the root, or the prompt + root in a first
+        round) and the drafts; logits of the root and the drafts are kept."""
+        count = self.num_draft + 1
+        drafts = rows.take(self.proposal.tokens)  # [A, N]
+        positions = buffer.next_positions(count)  # [A, N + 1]
+        if fed < buffer.width - 1:  # prompt columns not in the cache yet
+            positions = torch.cat([buffer.positions[:, fed:-1], positions], dim=1)
+        return dict(input_ids=torch.cat([buffer.tokens[:, fed:], drafts], dim=1),
+                    attention_mask=buffer.attention_mask(count), position_ids=positions, logits_to_keep=count)
+
+    def scores(self, processor: PositionwiseProcessor, history: History, logits: torch.Tensor) -> torch.Tensor:
+        # logits [B, N + 1, V] -> processed float32 scores; position t follows the first t drafts
+        return processor(history, self.proposal.tokens, logits)
+
+    def verify(self, scores: torch.Tensor, do_sample: bool) -> VerifyResult:
+        return _verify(self.proposal, None, scores, do_sample)
+
+    def keep(self, cache, start: int, accepted_nodes: torch.Tensor, longest: int, sliding: bool) -> None:
+        """Crop the drafts past the longest kept path (``start``/``accepted_nodes`` are implied by the chain)."""
+        rejected = self.num_draft - longest
+        # sliding-window layers recording their past also need crop(0) to shrink back to the window
+        if rejected > 0 or sliding:
+            cache.crop(-rejected)
+
+    def path_hidden(self, hidden: torch.Tensor | None, accepted_nodes: torch.Tensor, longest: int):
+        """[A, N + 1, H] unchanged: row i's newest feature is ``hidden[i, num_accepted[i]]``."""
+        return hidden
+
+
+class TreeRound:
+    """N drafts in a tree (``parents`` [N] shared by all rows, or [B, N] per row): see the module docstring."""
+
+    is_tree = True
+
+    def __init__(self, proposal: DraftProposal):
+        self.proposal = proposal
+        self.num_draft = proposal.tokens.shape[1]
+        self.tree = CandidateTree.build(proposal.tokens, proposal.parents)  # [B, N] tokens, parents, depth
+
+    def forward_inputs(self, buffer, fed: int, rows, cache, dtype) -> dict:
+        """Model kwargs (active rows) over the root and the nodes; the cache must hold the ``W - 1`` other
+        columns (the loop feeds a first round's prompt on its own before a tree)."""
+        if fed != buffer.width - 1:
+            raise RuntimeError(f"a tree forward needs the buffer's first {buffer.width - 1} columns in the cache, "
+                               f"it holds {fed}: feed the prompt first")
+        tree = self.tree if rows.complete else self.tree.select_rows(rows.index)  # [A, N]
+        count = self.num_draft + 1
+        mask = tree.attention_mask(buffer.mask[:, :-1], dtype)  # [A, 1, N + 1, W + N]
+        if cache is not None:  # a static cache's keys are longer than what is written: mask its free slots
+            mask = _pad_keys(mask, cache.get_mask_sizes(count, 0)[0])
+        return dict(input_ids=torch.cat([buffer.tokens[:, -1:], tree.tokens], dim=1), attention_mask=mask,
+                    position_ids=tree.position_ids(buffer.positions[:, -1]), logits_to_keep=count)
+
+    def scores(self, processor: PositionwiseProcessor, history: History, logits: torch.Tensor) -> torch.Tensor:
+        return path_scores(processor, history, self.tree, logits)
+
+    def verify(self, scores: torch.Tensor, do_sample: bool) -> VerifyResult:
+        return _verify(self.proposal, self.tree.shared_parents(), scores, do_sample)
+
+    def keep(self, cache, start: int, accepted_nodes: torch.Tensor, longest: int, sliding: bool) -> None:
+        """Keep the root and each row's accepted path (``accepted_nodes`` [A, D]) at columns ``start..``."""
+        keep_positions(cache, start, keep_indices(accepted_nodes[:, :longest]))
+
+    def path_hidden(self, hidden: torch.Tensor | None, accepted_nodes: torch.Tensor, longest: int):
+        """[A, N + 1, H] in node order -> [A, 1 + longest, H] along each row's path (root first)."""
+        if hidden is None:
+            return None
+        columns = keep_indices(accepted_nodes[:, :longest])  # [A, 1 + longest]
+        return hidden.gather(1, columns[..., None].expand(-1, -1, hidden.shape[-1]))
+
+
+def _verify(proposal: DraftProposal, parents, scores: torch.Tensor, do_sample: bool) -> VerifyResult:
+    if not do_sample:
+        return greedy_verify(proposal.tokens, scores.argmax(dim=-1), parents)
+    return rejection_verify(proposal.tokens, torch.softmax(scores, dim=-1), proposal.probs, parents)
+
+
+# ---------------------------------------------------------------------------------------------- tree tensors
+def _pad_keys(mask: torch.Tensor, kv_length: int) -> torch.Tensor:
+    # [B, 1, Q, K] additive mask -> [B, 1, Q, kv_length], the extra key columns masked
+    extra = kv_length - mask.shape[-1]
+    if extra <= 0:
+        return mask
+    return torch.nn.functional.pad(mask, (0, extra), value=torch.finfo(mask.dtype).min)
+
+
+def path_tokens(tree: CandidateTree, pad_token_id: int) -> torch.Tensor:
+    """``[B, N, D]`` the tokens of each node's path, root side first (``pad_token_id`` past the node's depth)."""
+    paths = tree.paths()  # [B, N, D] node ids, -1 padded
+    flat = paths.clamp_min(0).flatten(1)  # [B, N * D]
+    tokens = tree.tokens.gather(1, flat).view(paths.shape)
+    return torch.where(paths >= 0, tokens, pad_token_id)
+
+
+def path_scores(processor: PositionwiseProcessor, history: History, tree: CandidateTree,
+                logits: torch.Tensor) -> torch.Tensor:
+    """Processed float32 scores ``[B, 1 + N, V]`` of ``logits`` [B, 1 + N, V]: row 0 after each row's history,
+    row ``n + 1`` after the history followed by node n's path (what plain ``generate`` would pass there).
+
+    The reference is one processor call per node with the history extended by that node's path; when every
+    processor reads the scores only, one call covers all nodes (the fast path, checked against the reference)."""
+    none = tree.tokens[:, :0]
+    if not processor or all(processor.score_only):
+        return processor(history, none, logits)
+    return path_scores_per_node(processor, history, tree, logits)
+
+
+def path_scores_per_node(processor: PositionwiseProcessor, history: History, tree: CandidateTree,
+                         logits: torch.Tensor) -> torch.Tensor:
+    """``path_scores`` one node at a time, each node's path appended to the history (the reference)."""
+    none = tree.tokens[:, :0]
+    paths = path_tokens(tree, history.pad_token_id)  # [B, N, D]
+    columns = [processor(history, none, logits[:, :1])]
+    for n in range(tree.num_nodes):
+        columns.append(processor(_along(history, paths[:, n], tree.depth[:, n]), none, logits[:, n + 1: n + 2]))
+    return torch.cat(columns, dim=1)
+
+
+def _along(history: History, path: torch.Tensor, depth: torch.Tensor) -> History:
+    # a History whose row b is history row b followed by path[b, :depth[b]] (path [B, D], depth [B])
+    ids = history.extended(path)  # [B, max_len + D]
+    out = History(ids, ids.shape[1], history.pad_token_id)
+    out.lengths = history.lengths + depth
+    return out
