@@ -244,6 +244,8 @@ def kv_cache_bytes(
     """
     config, dtype = resolve_config(config), resolve_dtype(dtype)
     seq_len, batch_size = _token_count("seq_len", seq_len), _token_count("batch_size", batch_size)
+    if bits is None and scale_layout != "group":
+        raise ValueError(f"scale_layout={scale_layout!r} describes quantized storage; pass bits=8 with it, or drop it.")
     if bits is not None and scale_layout != "group":
         return _per_row_scaled_bytes(config, seq_len, dtype, bits, residual_length, scale_layout) * batch_size
     if bits is not None:

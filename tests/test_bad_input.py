@@ -6,6 +6,8 @@ Each case states the input a user might pass and a fragment of the message that 
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -87,3 +89,70 @@ def test_switch_state_is_per_model():
     with hf_kvspec.enable_gqa(first), hf_kvspec.enable_gqa(second):
         assert attn_implementation(second.config) == "kvspec_gqa"
     assert attn_implementation(first.config) == attn_implementation(second.config) == "sdpa"
+
+
+# --- the audit: public entry points refuse bad input early, naming the fix ------------------------------------
+
+_MODEL = None
+
+
+def _model():
+    global _MODEL
+    if _MODEL is None:
+        _MODEL = tiny_model("llama")
+    return _MODEL
+
+
+def _generate(**kwargs):
+    return _model().generate(torch.tensor([[5, 6, 7]]), pad_token_id=0, max_new_tokens=4,
+                             custom_generate=hf_kvspec.speculative_generate, **kwargs)
+
+
+# (input as a user writes it, call, exception, fragment of the message that names what was wrong or the fix)
+BAD_INPUTS = [
+    ("NgramAssistant(max_ngram=2.5)", lambda: hf_kvspec.NgramAssistant(max_ngram=2.5), ValueError, "max_ngram=2.5"),
+    ("NgramAssistant(max_ngram=0)", lambda: hf_kvspec.NgramAssistant(max_ngram=0), ValueError, "1 <= min_ngram"),
+    ("NgramAssistant(num_draft_tokens=-1)", lambda: hf_kvspec.NgramAssistant(num_draft_tokens=-1), ValueError,
+     "non-negative int or 'auto'"),
+    ("DraftModelAssistant(None)", lambda: hf_kvspec.DraftModelAssistant(None), TypeError, "AutoModelForCausalLM"),
+    ("DraftModelAssistant('gpt2')", lambda: hf_kvspec.DraftModelAssistant("gpt2"), TypeError, "draft:<dir>"),
+    ("truncated_draft(model, 1.5)", lambda: hf_kvspec.truncated_draft(_model(), 1.5), ValueError, "1..2"),
+    ("truncated_draft(model, '1')", lambda: hf_kvspec.truncated_draft(_model(), "1"), ValueError, "1..2"),
+    ("truncated_draft(model, 0)", lambda: hf_kvspec.truncated_draft(_model(), 0), ValueError, "1..2"),
+    ("enable_gqa(None)", lambda: hf_kvspec.enable_gqa(None), TypeError, "loaded transformers model"),
+    ("enable_gqa(model.config)", lambda: hf_kvspec.enable_gqa(_model().config), TypeError, "not its config"),
+    ("enable_quantized_attention(None)", lambda: hf_kvspec.enable_quantized_attention(None), TypeError,
+     "loaded transformers model"),
+    ("enable_mla_absorb(llama)", lambda: hf_kvspec.enable_mla_absorb(_model()), hf_kvspec.UnsupportedMLAError,
+     "supports the attention classes"),
+    ("kv_cache_bytes(config, 16, scale_layout='token')",
+     lambda: hf_kvspec.kv_cache_bytes(_model().config, 16, scale_layout="token"), ValueError, "bits=8"),
+    ("kv_cache_bytes(config, -1)", lambda: hf_kvspec.kv_cache_bytes(_model().config, -1), ValueError,
+     "seq_len=-1"),
+    ("make_assistant('medusa', model)", lambda: hf_kvspec.make_assistant("medusa", _model()), ValueError,
+     "Unknown assistant"),
+    ("make_assistant('draft:truncated:99', model)", lambda: hf_kvspec.make_assistant("draft:truncated:99", _model()),
+     ValueError, "1..2"),
+    ("load_bundled_model('nope')", lambda: hf_kvspec.load_bundled_model("nope"), ValueError, "known:"),
+    ("PagedCache(config, block_size=0)", lambda: hf_kvspec.PagedCache(_model().config, block_size=0), ValueError,
+     "block_size"),
+    ("PagedCache(config, num_blocks=2.5)", lambda: hf_kvspec.PagedCache(_model().config, num_blocks=2.5),
+     ValueError, "positive integer"),
+    ("PagedCache(config, memory_budget='lots')", lambda: hf_kvspec.PagedCache(_model().config, memory_budget="lots"),
+     ValueError, "80GiB"),
+    ("QuantizedKVCache(config, method='KIVI')", lambda: hf_kvspec.QuantizedKVCache(_model().config, method="KIVI"),
+     ValueError, "'kivi'"),
+    ("QuantizedKVCache(config, sink_tokens=-1)", lambda: hf_kvspec.QuantizedKVCache(_model().config, sink_tokens=-1),
+     ValueError, "sink_tokens=-1"),
+    ("generate(custom_generate=speculative_generate)", lambda: _generate(), ValueError, "needs an assistant"),
+    ("generate(..., assistant='ngram')", lambda: _generate(assistant="ngram"), TypeError, "Drafter"),
+    ("generate(..., assistant=NgramAssistant(), num_beams=2)",
+     lambda: _generate(assistant=hf_kvspec.NgramAssistant(), num_beams=2), ValueError, "num_beams=1"),
+]
+
+
+@pytest.mark.parametrize(("call", "error", "fragment"), [case[1:] for case in BAD_INPUTS],
+                         ids=[case[0] for case in BAD_INPUTS])
+def test_bad_input_is_refused_with_the_fix_named(call, error, fragment):
+    with pytest.raises(error, match=re.escape(fragment)):
+        call()

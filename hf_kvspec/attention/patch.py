@@ -85,6 +85,9 @@ def switch_attention(model, name: str) -> AttentionPatch:
     """
     from hf_kvspec import _compat
 
+    if not callable(getattr(model, "set_attn_implementation", None)):
+        raise TypeError(f"expected a loaded transformers model (a PreTrainedModel), got {type(model).__name__}; "
+                        "pass the model itself, not its config or a path.")
     active = _active_switches.get(model)
     if active is not None and active.active:
         raise ValueError(f"{type(model).__name__} is already switched to {active.name!r} by an active handle "

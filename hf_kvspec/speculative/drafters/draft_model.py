@@ -43,6 +43,10 @@ class DraftModelAssistant(Drafter):
                  sample_drafts: bool = True):
         super().__init__(num_draft_tokens, max_draft_tokens)
         self.sample_drafts = sample_drafts
+        if not isinstance(draft_model, torch.nn.Module) or not hasattr(draft_model, "config"):
+            raise TypeError(f"draft_model must be a loaded transformers causal LM, got {type(draft_model).__name__}; "
+                            "load one with AutoModelForCausalLM.from_pretrained(...), or pass a spec such as "
+                            "'draft:<dir>' to hf_kvspec.make_assistant.")
         if getattr(draft_model.config, "is_encoder_decoder", False):
             raise ValueError("DraftModelAssistant needs a decoder-only causal LM as draft model.")
         self.model = draft_model.eval()

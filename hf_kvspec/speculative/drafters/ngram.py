@@ -43,7 +43,8 @@ class NgramAssistant(Drafter):
     def __init__(self, max_ngram: int = 3, num_draft_tokens: int | str = 8, min_ngram: int = 1,
                  max_draft_tokens: int = 16):
         super().__init__(num_draft_tokens, max_draft_tokens)
-        if not 1 <= min_ngram <= max_ngram:
+        if not all(isinstance(n, int) and not isinstance(n, bool) for n in (min_ngram, max_ngram)) \
+                or not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got min_ngram={min_ngram}, max_ngram={max_ngram}")
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram

@@ -22,7 +22,7 @@ _LAYER_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 def truncated_draft(model, num_layers: int):
     """A copy of ``model`` keeping decoder layers ``0 .. num_layers - 1`` (same embeddings, norm and head)."""
     total = model.config.num_hidden_layers
-    if not 1 <= num_layers <= total:
+    if not isinstance(num_layers, int) or isinstance(num_layers, bool) or not 1 <= num_layers <= total:
         raise ValueError(f"num_layers must be in 1..{total} for this {total}-layer model, got {num_layers}")
     config = copy.deepcopy(model.config)
     config.num_hidden_layers = num_layers
