@@ -34,6 +34,28 @@ def test_bundled_heads_load_and_pair(bundled, kind):
     assert "base_model: HuggingFaceTB/SmolLM2-135M-Instruct" in card and "Chain τ" in card
 
 
+@pytest.mark.parametrize("kind", ["medusa", "eagle"])
+def test_bundled_cards_are_their_training_summaries_rendered(kind):
+    """The committed cards are exactly what the renderer makes of the committed training summaries: the printed
+    figures and the model-index values are the held-out numbers measured at training time."""
+    from huggingface_hub import ModelCard
+
+    from hf_kvspec import hub
+    from hf_kvspec.heads.configuration import EagleConfig, MedusaConfig
+
+    folder = bundled_heads_path(kind)
+    summary = json.loads((folder / "training_summary.json").read_text())
+    config = (MedusaConfig if kind == "medusa" else EagleConfig).from_pretrained(folder)
+    card = (folder / "README.md").read_text()
+    assert card == hub.render_model_card(config, hub.CardFields.from_summary(summary))
+    held_out = summary["held_out"]
+    assert f"τ = {held_out['tau']:.2f}" in card and f"{held_out['target_forwards']} target forwards" in card
+    for top1 in held_out["per_head_top1"]:
+        assert f"| {100 * top1:.1f}% |" in card
+    values = [result.metric_value for result in ModelCard(card).data.eval_results]
+    assert values == [round(held_out["tau"], 4)] + [round(x, 4) for x in held_out["per_head_top1"]]
+
+
 def test_bundled_heads_refuse_another_base():
     with pytest.raises(BaseModelMismatchError):
         load_bundled_heads("medusa", base_model=tiny_model("llama"))

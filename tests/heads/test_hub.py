@@ -98,3 +98,22 @@ def test_card_template_ships_inside_the_package():
     assert (hub.TEMPLATE_DIR / hub.DEFAULT_TEMPLATE).resolve() == (root / "model_cards" / hub.DEFAULT_TEMPLATE)
     package_data = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
     assert "model_cards/*.md" in package_data["hf_kvspec"]
+
+
+def test_card_model_index_reads_back_through_huggingface_hub(base):
+    """The held-out results are ``model-index`` rows the Hub's own parser reads back (what the Hub displays)."""
+    from huggingface_hub import ModelCard
+
+    config = MedusaConfig.for_base_model(base, "bundled:tiny", num_heads=4)
+    card = hub.render_model_card(config, hub.CardFields(held_out=HELD_OUT, repo_id="me/heads"))
+    data = ModelCard(card).data
+    assert data.model_name == "me/heads"
+    values = {result.metric_name: result.metric_value for result in data.eval_results}
+    assert values == {"Chain τ (tokens per target forward)": 2.4567, "Top-1 agreement, draft position 1": 0.5734,
+                      "Top-1 agreement, draft position 2": 0.3121, "Top-1 agreement, draft position 3": 0.2,
+                      "Top-1 agreement, draft position 4": 0.1}
+    for result in data.eval_results:
+        assert (result.task_type, result.dataset_type, result.metric_type, result.metric_config) == (
+            "text-generation", "heldout.jsonl", "draft_acceptance", "chain")
+        assert result.dataset_name.startswith("35 held-out chat prompts")
+    assert "model-index" not in _front_matter(hub.render_model_card(config))  # nothing measured, nothing claimed
