@@ -17,7 +17,8 @@ Glossary (follows Leviathan et al. 2211.17192, Alg. 1, and Chen et al. 2302.0131
                     row 0 the distribution after the last committed token (the tree's root).
     draft_probs     the processed distribution each draft token was actually sampled from.
     parents         ``[N]`` parent node of each tree node, ``-1`` for a child of the root, topologically
-                    ordered (``parents[n] < n``). ``None`` means a chain: ``parents[n] = n - 1``.
+                    ordered (``parents[n] < n``), shared by every row; ``[B, N]`` gives each row its own tree
+                    (EAGLE-2 dynamic trees; see ``tree.py``). ``None`` means a chain: ``parents[n] = n - 1``.
 
 Shapes: ``B`` rows, ``K`` chain length, ``N`` tree nodes (a chain has ``N = K``), ``V`` vocabulary.
 
@@ -31,6 +32,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from hf_kvspec.speculative.tree import tree_depth
 
 
 @dataclass
@@ -47,11 +50,11 @@ class VerifyResult:
 
 
 def is_chain(parents: torch.Tensor | None, num_nodes: int) -> bool:
-    """True when ``parents`` is ``None`` or exactly the chain ``[-1, 0, 1, ...]``."""
+    """True when ``parents`` ([N] or [B, N]) is ``None`` or exactly the chain ``[-1, 0, 1, ...]`` in every row."""
     if parents is None:
         return True
     chain = torch.arange(-1, num_nodes - 1, device=parents.device)
-    return parents.shape == chain.shape and bool((parents == chain).all())
+    return parents.shape[-1] == num_nodes and bool((parents == chain).all())
 
 
 def _chain_result(keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -65,7 +68,7 @@ def _chain_result(keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def greedy_verify(
     draft_tokens: torch.Tensor,  # [B, N]
     target_tokens: torch.Tensor,  # [B, N + 1] argmax of the processed target scores
-    parents: torch.Tensor | None = None,  # [N]
+    parents: torch.Tensor | None = None,  # [N] or [B, N]
 ) -> VerifyResult:
     """Greedy acceptance: keep the longest path on which every draft token equals the target's argmax."""
     if not is_chain(parents, draft_tokens.shape[1]):
@@ -81,7 +84,7 @@ def rejection_verify(
     draft_tokens: torch.Tensor,  # [B, N]
     target_probs: torch.Tensor,  # [B, N + 1, V]
     draft_probs: torch.Tensor | None = None,  # [B, N, V]; None = point-mass (deterministic) drafts
-    parents: torch.Tensor | None = None,  # [N]
+    parents: torch.Tensor | None = None,  # [N] or [B, N]
     generator: torch.Generator | None = None,
 ) -> VerifyResult:
     """Exact speculative sampling: the emitted tokens are distributed exactly as sampling from the target.
@@ -139,56 +142,60 @@ def _residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------- trees
-def _depths(parents: torch.Tensor) -> list[int]:
-    depth: list[int] = []
-    for n, parent in enumerate(parents.tolist()):
-        if parent >= n:
-            raise ValueError(f"parents must be topologically ordered (parents[n] < n); node {n} has parent {parent}")
-        depth.append(1 if parent < 0 else depth[parent] + 1)
-    return depth
+def _tree(parents: torch.Tensor, draft_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``parents`` [N] or [B, N] -> (parents [B, N], depth [B, N] 1-based); refuses a non-topological order."""
+    parents = parents.to(draft_tokens.device).expand(draft_tokens.shape)
+    return parents, tree_depth(parents)
 
 
-def _paths(parents: list[int], last: torch.Tensor, depth: list[int]) -> torch.Tensor:
-    # last [B] deepest accepted node (-1 = root) -> [B, max depth] node ids from the root down, -1 padded
-    width = max(depth, default=0)
-    nodes = torch.full((last.shape[0], width), -1, dtype=torch.long)
-    for b, node in enumerate(last.tolist()):
-        while node >= 0:
-            nodes[b, depth[node] - 1] = node
-            node = parents[node]
-    return nodes.to(last.device)
+def _paths(parents: torch.Tensor, last: torch.Tensor, depth: torch.Tensor) -> torch.Tensor:
+    # parents/depth [B, N]; last [B] deepest accepted node (-1 = root) -> [B, max depth] node ids from the root
+    # down, -1 padded (one spare column absorbs the writes of rows whose walk reached the root)
+    width = int(depth.max()) if depth.numel() else 0
+    nodes = torch.full((last.shape[0], width + 1), -1, dtype=torch.long, device=last.device)
+    node = last
+    for _ in range(width):
+        real = node >= 0
+        column = torch.where(real, depth.gather(1, node.clamp_min(0)[:, None]).squeeze(1) - 1, width)
+        nodes.scatter_(1, column[:, None], node[:, None])
+        node = torch.where(real, parents.gather(1, node.clamp_min(0)[:, None]).squeeze(1), -1)
+    return nodes[:, :width]
+
+
+def deepest_path(ok: torch.Tensor, parents: torch.Tensor, depth: torch.Tensor) -> torch.Tensor:
+    """``ok`` [B, N] node passes its own test -> ``[B]`` deepest node whose whole path passes (-1 = the root);
+    among equal depths the first in node order (a tree of distinct siblings has one)."""
+    batch, num_nodes = ok.shape
+    accepted = torch.zeros(batch, num_nodes + 1, dtype=torch.bool, device=ok.device)
+    accepted[:, 0] = True  # column 0 is the root, column n + 1 is node n
+    for n in range(num_nodes):
+        accepted[:, n + 1] = accepted.gather(1, parents[:, n:n + 1] + 1).squeeze(1) & ok[:, n]
+    depth_col = torch.cat([depth.new_zeros(batch, 1), depth], dim=1)  # [B, N + 1]
+    order = torch.arange(num_nodes + 1, device=ok.device)
+    score = torch.where(accepted, depth_col * (num_nodes + 1) - order, -(num_nodes + 1) ** 2)
+    return score.argmax(-1) - 1
 
 
 def _tree_greedy(draft_tokens, target_tokens, parents) -> VerifyResult:
-    depth = _depths(parents)
-    parent_list = parents.tolist()
-    batch, num_nodes = draft_tokens.shape
-    accepted = torch.zeros(batch, num_nodes + 1, dtype=torch.bool, device=draft_tokens.device)
-    accepted[:, 0] = True  # column 0 is the root, column n + 1 is node n
-    for n, parent in enumerate(parent_list):
-        accepted[:, n + 1] = accepted[:, parent + 1] & (draft_tokens[:, n] == target_tokens[:, parent + 1])
-    # deepest accepted node; among equal depths the first in node order (a tree of distinct siblings has one)
-    depth_col = torch.tensor([0, *depth], device=draft_tokens.device)
-    score = torch.where(accepted, depth_col * (num_nodes + 1) - torch.arange(num_nodes + 1, device=accepted.device),
-                        -(num_nodes + 1) ** 2)
-    last = score.argmax(-1) - 1
-    num_accepted = depth_col[last + 1]
+    parents, depth = _tree(parents, draft_tokens)
+    ok = draft_tokens == target_tokens.gather(1, parents + 1)  # node equals the target's argmax after its parent
+    last = deepest_path(ok, parents, depth)
+    num_accepted = torch.where(last >= 0, depth.gather(1, last.clamp_min(0)[:, None]).squeeze(1), 0)
     next_tokens = target_tokens.gather(1, (last + 1)[:, None]).squeeze(1)
-    return VerifyResult(num_accepted, _paths(parent_list, last, depth), next_tokens)
+    return VerifyResult(num_accepted, _paths(parents, last, depth), next_tokens)
 
 
 def _tree_rejection(draft_tokens, target_probs, draft_probs, parents, generator) -> VerifyResult:
     """Walk the tree in node order; siblings are tried in turn against the running residual (SpecInfer,
     Miao et al. 2305.09781, multi-step speculative sampling), children of an accepted node against its target
     distribution. Siblings of a stochastic tree must be drawn i.i.d. from their row of ``draft_probs``."""
-    depth = _depths(parents)
-    parent_list = parents.tolist()
+    parents, depth = _tree(parents, draft_tokens)
     batch = draft_tokens.shape[0]
     rows = torch.arange(batch, device=draft_tokens.device)
     current = torch.full((batch,), -1, dtype=torch.long, device=draft_tokens.device)  # node each row sits on
     residual = target_probs[:, 0].clone()  # [B, V] what the row samples from if it stops here
-    for n, parent in enumerate(parent_list):
-        here = current == parent
+    for n in range(draft_tokens.shape[1]):
+        here = current == parents[:, n]
         if not bool(here.any()):
             continue
         token = draft_tokens[:, n]
@@ -201,6 +208,6 @@ def _tree_rejection(draft_tokens, target_probs, draft_probs, parents, generator)
         residual = torch.where(reject[:, None], _residual(residual, q), residual)
         residual = torch.where(keep[:, None], target_probs[:, n + 1], residual)
         current = torch.where(keep, n, current)
-    depth_col = torch.tensor([0, *depth], device=current.device)
+    num_accepted = torch.where(current >= 0, depth.gather(1, current.clamp_min(0)[:, None]).squeeze(1), 0)
     next_tokens = sample_tokens(residual, generator)
-    return VerifyResult(depth_col[current + 1], _paths(parent_list, current, depth), next_tokens)
+    return VerifyResult(num_accepted, _paths(parents, current, depth), next_tokens)

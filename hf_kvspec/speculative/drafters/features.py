@@ -1,0 +1,93 @@
+"""Target features for feature-level drafters (Medusa, EAGLE), captured with forward hooks on the target.
+
+Boundary: which target modules produce the features a head's config names, collecting their outputs during
+one target forward, and attaching a head to the target it reads (``ensure_attached``). Knows nothing about
+drafting. Hooks are torch's public ``register_forward_hook``
+seam and are removed when the ``with`` block ends, whatever happens inside it.
+
+Why hooks: ``output_hidden_states=True`` keeps every layer's output of the forward; an EAGLE-3 head reads three
+layers and Medusa/EAGLE-1 one, so only those are kept.
+
+Layer indices follow transformers' ``output_hidden_states`` tuple of a decoder-only model with ``L`` layers:
+``0`` = embedding output, ``i`` in ``1..L-1`` = output of decoder layer ``i - 1``, ``L`` or ``-1`` = the final
+norm's output (the last layer's output after the model's norm, what the LM head reads).
+
+Shapes: ``B`` rows, ``T`` fed tokens, ``H`` hidden size, ``F = len(feature_layers) * H``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+
+def feature_module(model: nn.Module, index: int) -> nn.Module:
+    """The module whose output is ``hidden_states[index]`` of ``model``'s forward."""
+    decoder = model.get_decoder()
+    layers = decoder.layers
+    count = len(layers)
+    if not -(count + 1) <= index <= count:
+        raise ValueError(f"feature layer {index} is out of range for a model with {count} layers "
+                         f"(valid: 0..{count} or -1..-{count + 1}).")
+    index = index % (count + 1)
+    if index == 0:
+        return model.get_input_embeddings()
+    return decoder.norm if index == count else layers[index - 1]
+
+
+class FeatureCapture:
+    """``with FeatureCapture(target, [-1]) as capture: target(...)`` then ``capture.features()`` -> [B, T, F].
+
+    Each hooked module keeps the output of its latest call; ``features()`` concatenates them in the order of
+    ``feature_layers``.
+    """
+
+    def __init__(self, model: nn.Module, feature_layers: Sequence[int]):
+        self.modules = [feature_module(model, i) for i in feature_layers]
+        self.outputs: list[torch.Tensor | None] = [None] * len(self.modules)
+        self.handles: list = []
+
+    def __enter__(self) -> FeatureCapture:
+        self.outputs = [None] * len(self.modules)
+        try:
+            for slot, module in enumerate(self.modules):
+                self.handles.append(module.register_forward_hook(self._recorder(slot)))
+        except BaseException:
+            self._remove()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._remove()
+
+    def _remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+
+    def _recorder(self, slot: int):
+        def record(module, args, output):
+            self.outputs[slot] = output[0] if isinstance(output, tuple) else output  # [B, T, H]
+        return record
+
+    def features(self) -> torch.Tensor:
+        """``[B, T, F]`` of the latest forward."""
+        if any(out is None for out in self.outputs):
+            raise RuntimeError("FeatureCapture saw no forward pass; call the target inside the `with` block.")
+        return torch.cat(self.outputs, dim=-1)
+
+
+def ensure_attached(head: nn.Module, target: nn.Module) -> None:
+    """Attach a draft head to ``target`` unless it already borrows this target's embedding and LM head; the pairing
+    check runs on attach (``BaseModelMismatchError`` for another base model). A head on another device or in
+    another dtype than the target's LM head is moved to it (heads are small; mixed dtypes fail in the matmuls)."""
+    borrowed = getattr(head, "_borrowed", None)
+    if (borrowed is None or borrowed.lm_head is not target.get_output_embeddings()
+            or borrowed.embed_tokens is not target.get_input_embeddings()):
+        head.attach(target)
+    weight = target.get_output_embeddings().weight
+    own = next(head.parameters(), None)
+    if own is not None and (own.device != weight.device or own.dtype != weight.dtype):
+        head.to(device=weight.device, dtype=weight.dtype)

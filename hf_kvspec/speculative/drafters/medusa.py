@@ -1,0 +1,137 @@
+"""Medusa drafting (Cai et al. 2401.10774): a static tree of the heads' top-k tokens from the target's own hidden state.
+
+Boundary: owns one feature per row (the target's last hidden state that produced the row's newest token) and
+turns it into a ``DraftProposal`` through ``MedusaHeads`` and a ``StaticTree``. No extra target forward: the feature
+comes from the verify forward the loop runs anyway (``RoundOutcome.target_hidden``; the prompt's from ``begin``).
+Verification is the loop's, with ``verify.py`` (exact); ``typical_verify`` below is the paper's lossy alternative,
+used only when asked for by name (``acceptance="typical"``).
+
+Tree layout: node ``(r_1, ..., r_d)`` of a choice list is head ``d - 1``'s rank-``r_d`` token; head k at the
+feature of token t predicts token t + k + 2, i.e. depth k + 1 below the newest token (the tree's root).
+
+Shapes: ``B`` rows, ``H`` hidden size, ``V`` vocabulary, ``N`` tree nodes, ``D`` tree depth, ``R`` top-k width.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from hf_kvspec.speculative.drafters.base import DraftContext, Drafter, DraftProposal, RoundOutcome
+from hf_kvspec.speculative.drafters.features import ensure_attached
+from hf_kvspec.speculative.tree import CandidateTree, static_tree
+from hf_kvspec.speculative.verify import VerifyResult, deepest_path, sample_tokens
+
+ACCEPTANCE_RULES = ("exact", "typical")
+
+
+class MedusaAssistant(Drafter):
+    """``MedusaAssistant(heads, tree="default", acceptance="exact")``: Medusa-1 heads drafting a static tree.
+
+    ``tree``: ``"default"`` (26 nodes), ``"small"`` (10), ``"chain"`` (one node per head) or a choice list
+    (``[(0,), (1,), (0, 0), ...]``, see ``hf_kvspec.speculative.tree``). ``num_draft_tokens`` caps the nodes
+    (the tree's first nodes, which form a tree); ``None`` = the whole tree.
+    ``acceptance="typical"`` asks the loop for Medusa's typical acceptance under sampling: faster, **lossy**
+    (the output no longer follows the target's distribution), flagged by ``lossy``. Heads that are not attached
+    yet are attached to the target on the first call (pairing checked).
+    """
+
+    wants_hidden_states = True
+    can_drop_rows = True
+    proposes_trees = True  # the loop checks up front that the target's attention takes a 4D tree mask
+    feature_layers = (-1,)  # the target's final (normalised) hidden state
+
+    def __init__(self, heads, tree: str | Sequence[Sequence[int]] = "default", acceptance: str = "exact",
+                 num_draft_tokens: int | str | None = None, posterior_threshold: float = 0.09,
+                 posterior_alpha: float = 0.3):
+        self.tree = static_tree(tree, heads.config.num_heads)
+        if self.tree.max_depth > heads.config.num_heads:
+            raise ValueError(f"the tree is {self.tree.max_depth} deep but the Medusa heads have "
+                             f"{heads.config.num_heads} heads; use a choice list no deeper than the heads.")
+        if acceptance not in ACCEPTANCE_RULES:
+            raise ValueError(f"acceptance must be one of {ACCEPTANCE_RULES}, got {acceptance!r}.")
+        super().__init__(self.tree.num_nodes if num_draft_tokens is None else num_draft_tokens,
+                         max_draft_tokens=self.tree.num_nodes)
+        self.heads = heads.eval()
+        self.acceptance = acceptance
+        self.lossy = acceptance == "typical"
+        #: the name the loop records in ``AcceptanceStats.lossy_rules`` when it applies ``verify`` (None: exact)
+        self.lossy_rule = "medusa typical acceptance (2401.10774)" if self.lossy else None
+        self.posterior_threshold, self.posterior_alpha = posterior_threshold, posterior_alpha
+        self.feature = None  # [B, H] target hidden state that produced each row's newest token
+
+    def begin(self, target, buffer, target_hidden=None) -> None:
+        super().begin(target, buffer, target_hidden)
+        if target_hidden is None:
+            raise ValueError("MedusaAssistant drafts from the target's hidden states; run it through "
+                             "hf_kvspec.speculative_generate, which passes them (wants_hidden_states).")
+        ensure_attached(self.heads, target)
+        self.feature = target_hidden[:, -1]
+
+    def kernel_modules(self) -> tuple:
+        return (self.heads,)
+
+    @torch.no_grad()
+    def ranked(self, feature: torch.Tensor, depth: int, width: int) -> torch.Tensor:
+        """``feature`` [B, H] -> ``[B, depth, width]`` top-``width`` token ids of heads ``0..depth-1``, best first.
+        Only the heads the tree uses are run (the reference is ``heads(feature).logits.topk(width)``)."""
+        hidden = feature.to(self.heads.dtype)[:, None]  # [B, 1, H]
+        ranked = []
+        for k in range(depth):
+            logits = torch.einsum("bth,vh->btv", self.heads.heads[k](hidden), self.heads.projection_weight(k))
+            ranked.append(logits[:, 0].topk(width, dim=-1).indices)  # [B, R]
+        return torch.stack(ranked, dim=1)
+
+    def propose(self, ctx: DraftContext) -> DraftProposal:
+        tree = self.tree.truncate(ctx.num_draft_tokens)
+        candidates = tree.candidates(self.ranked(self.feature, tree.max_depth, tree.max_rank))
+        return DraftProposal(candidates.tokens, None, tree.parents.to(candidates.tokens.device), draft_forwards=1)
+
+    def observe(self, outcome: RoundOutcome) -> None:
+        super().observe(outcome)
+        hidden = outcome.target_hidden  # [B, 1 + K, H], column j = the j-th kept column (root first)
+        rows = torch.arange(hidden.shape[0], device=hidden.device)
+        self.feature = hidden[rows, outcome.num_accepted.to(hidden.device)]
+
+    def select_rows(self, index: torch.Tensor) -> None:
+        if self.feature is not None:
+            self.feature = self.feature[index.to(self.feature.device)]
+
+    def verify(self, draft_tokens: torch.Tensor, target_probs: torch.Tensor, parents: torch.Tensor | None,
+               generator: torch.Generator | None = None) -> VerifyResult:
+        """Typical acceptance with this assistant's thresholds (for the loop when ``acceptance == "typical"``)."""
+        return typical_verify(draft_tokens, target_probs, parents, self.posterior_threshold, self.posterior_alpha,
+                              generator)
+
+    def end(self) -> None:
+        self.feature = None
+
+
+def typical_verify(
+    draft_tokens: torch.Tensor,  # [B, N]
+    target_probs: torch.Tensor,  # [B, N + 1, V] processed target distributions (row n + 1 = after node n)
+    parents: torch.Tensor | None = None,  # [N] or [B, N]; None = chain
+    posterior_threshold: float = 0.09,
+    posterior_alpha: float = 0.3,
+    generator: torch.Generator | None = None,
+) -> VerifyResult:
+    """Medusa's typical acceptance (Cai et al. 2401.10774, Sec. 2.3.1) -- LOSSY, not speculative sampling.
+
+    A node is kept when its path is kept and ``target_probs(token) > min(threshold, alpha * exp(-entropy))`` of
+    the distribution after its parent; the deepest kept path wins and the next token is sampled from the target's
+    distribution after it. Defaults are the paper's (epsilon 0.09, delta 0.3). Deviation: the paper's
+    implementation takes the next token greedily at temperature 0; here greedy decoding uses ``greedy_verify``.
+    """
+    if parents is None:
+        parents = torch.arange(-1, draft_tokens.shape[1] - 1, device=draft_tokens.device)
+    tree = CandidateTree.build(draft_tokens, parents)
+    at_parent = target_probs.gather(1, (tree.parents + 1)[..., None].expand(-1, -1, target_probs.shape[-1]))
+    p_token = at_parent.gather(-1, draft_tokens[..., None])[..., 0]  # [B, N]
+    entropy = -(at_parent * at_parent.clamp_min(1e-30).log()).sum(-1)  # [B, N]
+    threshold = torch.clamp(posterior_alpha * torch.exp(-entropy), max=posterior_threshold)
+    last = deepest_path(p_token > threshold, tree.parents, tree.depth)  # [B]
+    rows = torch.arange(draft_tokens.shape[0], device=draft_tokens.device)
+    nodes = torch.where((last >= 0)[:, None], tree.paths()[rows, last.clamp_min(0)], -1)  # [B, D]
+    next_tokens = sample_tokens(target_probs[rows, last + 1], generator)
+    return VerifyResult((nodes >= 0).sum(dim=1), nodes, next_tokens)
