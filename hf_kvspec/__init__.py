@@ -55,6 +55,8 @@ _EXPORTS: dict[str, str] = {
     "RoundOutcome": "hf_kvspec.speculative.drafters.base",
     "DraftModelAssistant": "hf_kvspec.speculative.drafters.draft_model",
     "NgramAssistant": "hf_kvspec.speculative.drafters.ngram",
+    "MedusaAssistant": "hf_kvspec.speculative.drafters.medusa",
+    "EagleAssistant": "hf_kvspec.speculative.drafters.eagle",
     "AcceptanceStats": "hf_kvspec.speculative.stats",
     "truncated_draft": "hf_kvspec.speculative.drafters.truncated",
     "make_assistant": "hf_kvspec.speculative.assistants",
