@@ -271,15 +271,17 @@ def test_typical_acceptance_is_flagged_lossy_and_is_not_exact():
 
 
 # ---------------------------------------------------------------------------------------------- through today's loop
-@pytest.mark.parametrize("kind", ["medusa", "eagle"])
-def test_chains_through_the_loop_are_token_identical_to_greedy(target, kind):
-    """Chains need no tree verification, so today's loop runs them: this checks the features each assistant
-    keeps across rounds (holes, rows accepting different counts) against plain greedy ``generate``."""
+@pytest.mark.parametrize("kind", ["medusa-chain", "eagle-chain", "medusa-tree", "eagle-dynamic"])
+def test_assistants_through_the_loop_are_token_identical_to_greedy(target, kind):
+    """Through ``speculative_generate`` (bs 3, left padding): the features each assistant keeps across rounds
+    (holes, rows accepting different counts, trees' accepted paths) against plain greedy ``generate``."""
     ids, mask = left_padded_batch(PROMPTS)
-    if kind == "medusa":
-        assistant = MedusaAssistant(_medusa(target), tree="chain")
-    else:
-        assistant = EagleAssistant(_eagle(target), tree="chain", depth=3)
+    assistant = {
+        "medusa-chain": lambda: MedusaAssistant(_medusa(target), tree="chain"),
+        "eagle-chain": lambda: EagleAssistant(_eagle(target), tree="chain", depth=3),
+        "medusa-tree": lambda: MedusaAssistant(_medusa(target), tree=[(0,), (1,), (0, 0), (2,), (0, 1), (0, 0, 0)]),
+        "eagle-dynamic": lambda: EagleAssistant(_eagle(target), depth=3, top_k=3, total_tokens=8),
+    }[kind]()
     kwargs = dict(attention_mask=mask, do_sample=False, max_new_tokens=20, pad_token_id=0, eos_token_id=None)
     expected = target.generate(ids, **kwargs)
     out = target.generate(ids, custom_generate=hf_kvspec.speculative_generate, assistant=assistant, **kwargs)
