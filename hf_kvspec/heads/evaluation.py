@@ -45,14 +45,17 @@ def evaluate_head(head, target, conversations: list[Conversation], depth: int | 
     """``draft_acceptance`` over each conversation's response: per-head top-1, chain tau, counts.
 
     ``metric`` defaults to a fresh in-memory ``load_metric("draft_acceptance")``; pass your own (e.g. one set up for
-    distributed evaluation) to add these responses to it. Responses shorter than 2 tokens carry no draft and are
-    skipped."""
+    distributed evaluation: then processes other than 0 get None) to add these responses to it. Responses shorter
+    than 2 tokens carry no draft and are skipped."""
     from hf_kvspec.metrics import load_metric
 
+    scored = [conv for conv in conversations if len(conv.response_ids) >= 2]
+    if not scored:
+        raise ValueError(f"None of the {len(conversations)} conversations has a response of 2 or more tokens, so no "
+                         "draft can be scored: give prompts with longer answers (or a larger max_new_tokens).")
     metric = metric if metric is not None else load_metric("draft_acceptance", keep_in_memory=True)
-    for conv in conversations:
-        if len(conv.response_ids) >= 2:
-            metric.add(**response_drafts(head, target, conv, depth or getattr(head.config, "num_heads", 4)))
+    for conv in scored:
+        metric.add(**response_drafts(head, target, conv, depth or getattr(head.config, "num_heads", 4)))
     return metric.compute()
 
 

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from hf_kvspec.heads import evaluation
 from hf_kvspec.heads.configuration import MedusaConfig
-from hf_kvspec.heads.distill import DistillSettings, self_distill
+from hf_kvspec.heads.distill import Conversation, DistillSettings, self_distill
 from hf_kvspec.heads.modeling_medusa import MedusaHeads
 from tests.heads.tiny_base import char_tokenizer
 from tests.tiny_models import tiny_model
@@ -61,3 +62,9 @@ def test_skipping_prompt_rows_changes_nothing_after_them():
     features = target(ids, output_hidden_states=True).hidden_states[-1]
     full, partial = (evaluation.draft_tokens(heads, features, ids, 2, start) for start in (0, 4))
     assert torch.equal(full[:, 4:], partial[:, 4:]) and (partial[:, :4] == -1).all()
+
+
+def test_nothing_to_score_is_an_error_that_says_why(tmp_path):
+    target, _, heads = _setup(tmp_path)
+    with pytest.raises(ValueError, match="2 or more tokens"):
+        evaluation.evaluate_head(heads, target, [Conversation([1, 5, 6], [7])])

@@ -35,7 +35,6 @@ def _former_perplexity(model, ids, name, args, kvquant) -> float:
 @torch.inference_mode()
 def test_fidelity_section_reproduces_the_former_perplexity():
     from bench import kvquant
-
     from hf_kvspec.cache.quantized_attention import register_quantized_attention
 
     register_quantized_attention()
