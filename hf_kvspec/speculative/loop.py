@@ -5,12 +5,15 @@ decisions, the stopper where rows end. Knows nothing about how drafts are made.
 
     model.generate(ids, custom_generate=hf_kvspec.speculative_generate, assistant=DraftModelAssistant(draft))
 
-Each round reads as named phases: draft -> verify (one target forward over the last token + N drafts, with
-``logits_to_keep``; the first round also feeds the prompt, so there is no separate prefill forward, as in
-transformers' assisted decoding) -> accept (verifier on processed scores) -> stop (EOS, stop strings, max length, per row) ->
-roll back (crop the target cache to the longest kept path; see ``buffer.py`` for the holes of shorter rows) ->
-emit (history, streamer, scores, telemetry). Greedy output is token-identical to ``generate(do_sample=False)``;
-sampled output has exactly the distribution of ``generate(do_sample=True)`` (Leviathan et al. 2211.17192).
+Each round reads as named phases, the same for chains and trees (``rounds.py`` holds what differs): draft ->
+verify forward (one target forward over the last token + N drafts; a chain's first round also feeds the prompt, so
+there is no separate prefill forward, as in transformers' assisted decoding; a tree gets a 4D mask and root + depth
+positions) -> accept (verifier on scores processed along each draft's own path) -> stop (EOS, stop strings, max
+length, per row) -> roll back / keep the path (a chain crops the target cache to the longest kept path, a tree keeps
+each row's accepted path with ``cache.contract.keep_positions``; see ``buffer.py`` for the holes of shorter rows) ->
+emit (history, streamer, scores, telemetry). Which rows the model still sees is ``rows.py``'s business. Greedy
+output is token-identical to ``generate(do_sample=False)``; sampled output has exactly the distribution of
+``generate(do_sample=True)`` (Leviathan et al. 2211.17192).
 
 Shapes: ``B`` rows, ``P`` prompt length, ``N`` draft tokens this round, ``V`` vocabulary, ``H`` hidden size.
 """

@@ -47,8 +47,9 @@ from hf_kvspec.speculative.tree import CandidateTree, keep_indices
 from hf_kvspec.speculative.verify import VerifyResult, greedy_verify, is_chain, rejection_verify
 
 # Attention implementations that take a custom 4D mask as transformers passes it (as-is, additive float):
-# sdpa and eager get 4D masks from transformers' own mask builders; flex adds a tensor mask as a score_mod; ours
-# honour a caller's 4D mask (cache contract issue). flash-attention kernels take 2D padding masks only, and
+# sdpa and eager get 4D masks from transformers' own mask builders; flex adds a tensor mask as a score_mod (not
+# exercised by our tests: flex does not run on the CPU build we test with); ours honour a caller's 4D mask (cache
+# contract, tests/speculative/test_tree_loop.py). flash-attention kernels take 2D padding masks only, and
 # transformers' continuous-batching ``paged|...`` functions read their own cache.
 TREE_ATTENTION = ("sdpa", "eager", "flex_attention", "kvspec_gqa", "kvspec_paged", "kvspec_quant")
 

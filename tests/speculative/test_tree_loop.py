@@ -127,6 +127,23 @@ def test_tree_greedy_matches_plain(target, kind, per_row, bs, cache_kind):
         assert stats.mean_acceptance < 0.1
 
 
+@pytest.mark.parametrize("attn", ["eager", "kvspec_gqa", "kvspec_paged"])
+def test_tree_greedy_through_other_attention_functions(attn):
+    """The tree's 4D mask through eager (additive float mask) and our attention functions (kvspec_paged reads a
+    PagedCache's pages through block tables): per-row trees, left padding, holes."""
+    ids, mask = batch(3)
+    expected = _plain(tiny_model("llama", seed=0), ids, mask)
+    hf_kvspec.register()
+    try:
+        model = tiny_model("llama", seed=0, attn_implementation=attn)
+        cache = hf_kvspec.PagedCache(model.config, block_size=4, num_blocks=64) if attn == "kvspec_paged" else None
+        drafter = TreeDrafter("oracle", expected, True, model.config.vocab_size)
+        assert torch.equal(_speculative(model, ids, mask, drafter, cache=cache), expected)
+        assert drafter.stats.accepted[2] >= 3
+    finally:
+        hf_kvspec.unregister()
+
+
 def test_cache_after_each_round_equals_plain_forward(target):
     """After every round, each row's real cache columns hold what a plain forward over that row's committed
     tokens computes. fp32: the tree forward adds masked columns and a different batch layout, so sums are
@@ -294,3 +311,16 @@ def test_flash_attention_target_is_refused(target, monkeypatch, declared):
     with pytest.raises(ValueError, match=r"flash_attention_2.*kvspec_gqa"):
         _speculative(target, ids, mask, drafter)
     assert drafter.stats.empty
+
+
+def test_negative_control_path_blind_processors_are_caught(target, monkeypatch):
+    """Processors that see only the history (not each node's path) change greedy output under a repetition
+    penalty: the equality tests above can fail."""
+    from hf_kvspec.speculative import rounds
+
+    ids, mask = batch(3)
+    expected = _plain(target, ids, mask)
+    monkeypatch.setattr(rounds, "path_scores",
+                        lambda processor, history, tree, logits: processor(history, tree.tokens[:, :0], logits))
+    out = _speculative(target, ids, mask, TreeDrafter("oracle", expected, True, target.config.vocab_size))
+    assert not torch.equal(out, expected)
