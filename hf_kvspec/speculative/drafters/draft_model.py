@@ -53,7 +53,7 @@ class DraftModelAssistant(Drafter):
         self.cache = None
         self.cached = 0  # buffer columns held by the draft cache
         self.target_vocab = None
-        self.embeddable = draft_model.get_input_embeddings().num_embeddings  # ids the draft can be fed
+        self.embeddable = _embeddable_ids(draft_model)  # ids the draft can be fed
         pad = getattr(draft_model.config, "pad_token_id", None)
         self.substitute_id = pad if isinstance(pad, int) and 0 <= pad < self.embeddable else 0
 
@@ -123,3 +123,12 @@ class DraftModelAssistant(Drafter):
 
     def end(self) -> None:
         self.cache = None
+
+
+def _embeddable_ids(model) -> int:
+    """How many token ids ``model`` can be fed: its input embedding's rows; a model that exposes no input
+    embedding (a lookup-table LM) is taken to accept every id of its config's vocabulary."""
+    try:
+        return model.get_input_embeddings().num_embeddings
+    except (NotImplementedError, AttributeError):
+        return int(model.config.vocab_size)
