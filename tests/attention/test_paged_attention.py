@@ -75,7 +75,9 @@ def test_reference_matches_plain_attention_on_contiguous_kv():
 def test_without_paged_kv_it_is_grouped_attention_with_causal_default():
     query, key_pages, value_pages, tables, kv_len, _ = paged_case(4, 2, block_size=10, kv_len=10)
     key, value = key_pages[tables[:, 0]].transpose(1, 2), value_pages[tables[:, 0]].transpose(1, 2)
-    causal = torch.ones(3, 10, dtype=torch.bool).tril(7).expand(3, 1, 3, 10)  # bottom-right aligned
+    # transformers passes no mask with T < S only for a StaticCache prefill, whose later keys are unused slots:
+    # the causal default is therefore SDPA's is_causal (query t sees keys 0..t), not bottom-right alignment
+    causal = torch.ones(3, 10, dtype=torch.bool).tril(0).expand(3, 1, 3, 10)
     got, _ = paged_attention_forward(_Module(), query, key, value, None, scaling=0.25)
     expected = reference_paged_attention(query, key_pages, value_pages, tables, kv_len, causal, 0.25)
     torch.testing.assert_close(got, expected, **TOL)
