@@ -1,18 +1,46 @@
 """``PagedCache``: a paged KV cache (vLLM, Kwon et al. SOSP'23, arXiv 2309.06180) that is a real
 transformers ``Cache`` of ``CacheLayerMixin`` layers, so ``model.generate(ids, cache=PagedCache(...))``
-works — greedy, sampling, beam search, assisted / speculative decoding.
+works — greedy, sampling, beam search, assisted / speculative decoding. It implements the cache contract
+C1-C6 written in the docstring of ``hf_kvspec.cache``.
 
 Boundary: tensors live here (one page tensor pair per layer); *which* block holds which token is decided
-by ``BlockTables`` / ``BlockPool`` (plain Python). Attention over the pages is ``attention/paged.py``.
+by ``BlockTables`` / ``BlockPool`` (plain Python). Attention over the pages is ``attention/paged.py``; the
+one cache -> attention channel is ``cache/channel.py``.
 
-How a forward flows:
-    1. the first layer to see a step's new K/V calls ``_begin_step``: the tables grow (allocating blocks,
-       copy-on-write of shared / cached partial blocks, on every layer's pages at once) and the step's
-       slot indices are computed once for all layers;
-    2. each layer scatters its K/V into its pages at those slots;
-    3. with ``attn_implementation="kvspec_paged"`` the layer returns its raw pages and puts a
-       ``PagedKV`` (block tables + length) into the attention kwargs; with any other implementation it
-       returns gathered contiguous K/V ``[B, Hkv, S, D]``, so every model works.
+Per-layer lengths (C2): one block table per row, shared by all layers and sized to the longest layer
+(the table's *extent*); each layer keeps its own length and writes at it. Why one table and not one per
+layer (group): a normal forward writes every layer at the same positions, so a single table costs one
+allocation and one index computation per forward, and self-speculation's ragged phase (layers ``0..E-1``
+ahead by a few draft tokens) only leaves the slots of the shorter layers in the extent's last blocks
+unwritten for a while. How a layer writes ``T`` tokens at its length ``s``:
+    1. ``_plan(s, T)``: ``BlockTables.prepare_writes`` makes positions ``s..s+T-1`` of every row writable
+       — new tail blocks when ``s + T`` passes the extent, and copy-on-write of *every* shared or cached
+       block the span touches, also below the extent (a layer cropped back into a shared prefix block, a
+       fork taken while layers differed); a copy duplicates the block on every layer's pages. Slots and
+       the block-table tensor are cached by ``(s, T, device)`` and the tables' version, so the layers of a
+       normal forward compute them once; any table change invalidates them.
+    2. the layer scatters its K/V into its pages at those slots;
+    3. when the model's attention reads pages (``channel.reads_stored(config, PagedKV)``, i.e.
+       ``kvspec_paged``), the layer hands a ``PagedKV`` (block tables, that layer's length) over the channel
+       and returns its raw pages; otherwise it returns gathered contiguous K/V ``[B, Hkv, S, D]``.
+    4. when the shortest layer has caught up, the rows are *sealed* up to it: only blocks that every layer
+       has written are hashed for prefix caching (a half-written block must never be served).
+Rollback (``crop``, ``crop_layers``, ``keep_positions``) sets layer lengths; blocks past the longest layer
+are freed (a block is released only when no layer needs it), and the rows forget token ids and hashes
+from the first position whose contents change (``BlockTables.unseal``; pool hashes of intact cached
+blocks stay valid because such a block is copied before any write).
+
+``keep_positions`` (C4) moves slots inside each row's own blocks: the destination span is prepared like
+a write (copy-on-write of shared / cached blocks, so a segment starting inside a shared prefix block
+copies that block first), sources are gathered before any destination is written (any index order is
+safe), positions a row keeps in place are not written at all (a chain that accepts a prefix of its
+drafts behaves exactly like ``crop``), and blocks past the new extent are freed.
+
+Page dtype: when the pool is sized from ``memory_budget`` (or ``dtype=`` is given), the pages are promised
+in that dtype, so K/V of another dtype is refused at the first write — before anything is allocated —
+rather than silently stored at a different size (which broke the budget) or cast (which would make the
+cache lossy and the paged attention's inputs disagree in dtype). Reduced-precision storage is what
+``QuantizedKVCache`` is for.
 
 Prefix reuse across ``generate`` calls (``enable_prefix_caching=True``): ``generate`` prefills only
 ``input_ids[:, cache.get_seq_length():]`` (it slices the prompt by the cache length when the attention
@@ -22,26 +50,28 @@ prefix, attaches those blocks and sets the cache length to their size — so the
 computes only the uncached tail. At least one prompt token is always left to prefill, because
 ``generate`` needs its logits.
 
-Deviations from vLLM: every row of a batch has the same length (transformers batches are rectangular);
+Deviations from vLLM: every row of a layer has the same length (transformers batches are rectangular);
 sliding-window layers keep their full history (the mask applies the window), so rollback works at any
 depth and all layers share one block table; generated tokens are hashed only when the caller hands their
 ids back with ``record_tokens`` (the cache sees only K/V).
 
 Shape legend: B batch · Hkv KV heads · T new tokens · S cached + new tokens · D head dim ·
-N blocks · P block size · M blocks per row.
+N blocks · P block size · M blocks per row · k kept positions per row.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and_kwargs
+from transformers.cache_utils import Cache, CacheLayerMixin
 
 from hf_kvspec import _compat
-from hf_kvspec.attention.paged import ATTN_NAME, PagedKV, gather_blocks
+from hf_kvspec.attention.paged import PagedKV, gather_blocks
 from hf_kvspec.memory import kv_bytes_per_token, parse_bytes
 
+from . import channel
 from .block_pool import BlockPool
 from .block_table import BlockTables
 
@@ -51,20 +81,28 @@ _DEFAULT_BUDGET_FRACTION = 0.25  # of free device memory, when neither num_block
 
 
 class PagedLayer(CacheLayerMixin):
-    """One layer's K/V pages ``[N, P, Hkv, D]``. The block tables are shared by all layers and live in
-    ``PagedCache``, so batch/rollback operations are cache-level; this layer only stores and gathers."""
+    """One layer's K/V pages ``[N, P, Hkv, D]`` and its length. The block tables are shared by all layers
+    and live in ``PagedCache``, so batch/rollback operations are cache-level; this layer stores and gathers."""
 
     is_croppable = True
     is_compileable = False
 
-    def __init__(self, num_blocks: int, block_size: int, sliding_window: int | None = None):
+    def __init__(self, num_blocks: int, block_size: int, sliding_window: int | None = None,
+                 page_dtype: torch.dtype | None = None):
         super().__init__()
         self.num_blocks, self.block_size = num_blocks, block_size
         self.sliding_window = sliding_window
         self.is_sliding = sliding_window is not None
+        self.page_dtype = page_dtype  # the dtype the pool was sized for; None: whatever the first K/V has
         self.cumulative_length = 0
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        if self.page_dtype is not None and key_states.dtype != self.page_dtype:
+            raise ValueError(
+                f"PagedCache pages are {self.page_dtype} (the pool was sized for that dtype) but the model stores "
+                f"{key_states.dtype} keys/values, which would take a different amount of memory than the budget. "
+                f"Build the cache with dtype={key_states.dtype} (e.g. dtype=model.dtype), or give num_blocks."
+            )
         self.keys = _pages(key_states, self.num_blocks, self.block_size)
         self.values = _pages(value_states, self.num_blocks, self.block_size)
         self.device, self.is_initialized = key_states.device, True
@@ -77,15 +115,22 @@ class PagedLayer(CacheLayerMixin):
         for pages, states in ((self.keys, key_states), (self.values, value_states)):
             batch, heads, tokens, dim = states.shape
             flat = states.transpose(0, 1).reshape(heads, batch * tokens, dim)  # [Hkv, B·T, D], slot order
-            pages.permute(2, 0, 1, 3).view(heads, -1, dim).index_copy_(1, slots, flat)
+            _flat_slots(pages).index_copy_(1, slots, flat)
         self.cumulative_length += key_states.shape[-2]
+
+    def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy slots ``src`` ``[X]`` to slots ``dst`` ``[X]``; all sources are read before any is written."""
+        for pages in (self.keys, self.values):
+            flat = _flat_slots(pages)  # [Hkv, N·P, D]
+            flat.index_copy_(1, dst.to(flat.device), flat.index_select(1, src.to(flat.device)))
 
     def gather(self, view: PagedKV) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V ``[B, Hkv, S, D]`` (strided views of one whole-block gather each, no second copy)."""
         return (gather_blocks(self.keys, view.block_tables, view.kv_length),
                 gather_blocks(self.values, view.block_tables, view.kv_length))
 
-    def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        src, dst = (torch.tensor(ids, device=self.keys.device) for ids in zip(*copies))
         self.keys[dst] = self.keys[src]
         self.values[dst] = self.values[src]
 
@@ -118,8 +163,9 @@ class PagedCache(Cache):
             different salts never share blocks.
         memory_budget: bytes (int or e.g. ``"2GiB"``) for the pages when ``num_blocks`` is None; default:
             a quarter of the free CUDA memory when CUDA is available, else of the free host memory.
-        dtype: dtype used to size the pool from the budget (default: the config's, else float32). Pages
-            take the dtype of the first K/V they store.
+        dtype: dtype of the pages (default: the config's, else float32, when the pool is sized from the
+            budget; otherwise that of the first K/V stored). K/V of another dtype is refused, so
+            ``nbytes() <= memory_budget`` holds.
     """
 
     def __init__(
@@ -133,74 +179,164 @@ class PagedCache(Cache):
         dtype: torch.dtype | None = None,
     ):
         text_config = config.get_text_config(decoder=True)
-        layer_types, layer_kwargs = get_layer_types_and_kwargs(text_config)
+        layer_types, layer_kwargs = _compat.layer_types_and_kwargs(text_config)
         unsupported = sorted(set(layer_types) - set(_SUPPORTED_LAYER_TYPES))
         if unsupported:
             raise ValueError(f"PagedCache supports {_SUPPORTED_LAYER_TYPES} layers; this config has {unsupported}.")
         if not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size must be a positive integer, got {block_size!r}.")
         if num_blocks is None:
-            dtype = dtype or getattr(text_config, "dtype", None) or torch.float32
+            dtype = dtype or _config_dtype(text_config)
             num_blocks = blocks_for_budget(text_config, block_size, memory_budget, dtype)
-        layers = [PagedLayer(num_blocks, block_size, kw.get("sliding_window")) for kw in layer_kwargs]
+        layers = [PagedLayer(num_blocks, block_size, kw.get("sliding_window"), dtype) for kw in layer_kwargs]
         super().__init__(layers=layers)
         self.block_size = block_size
         self.pool = BlockPool(num_blocks, block_size)
         self.tables = BlockTables(self.pool, enable_prefix_caching, cache_salt)
         self._config = text_config
-        self._step: _Step | None = None
+        self._plans: dict[tuple, _Plan] = {}  # (start, T, device) -> slots of a write; valid for one tables version
+        self._sealed = 0  # every row is sealed at least this far (T5 of block_table.py)
 
-    # ---- the forward path ----------------------------------------------------------------------
+    # ---- the forward path (C1) ---------------------------------------------------------------------
     def update(self, key_states, value_states, layer_idx: int, *args, kwargs: dict | None = None, **_):
-        """Store new K/V ``[B, Hkv, T, D]`` of ``layer_idx``; return what the attention function reads."""
+        """Append new K/V ``[B, Hkv, T, D]`` at layer ``layer_idx``'s own length; return what its attention reads."""
         layer = self.layers[layer_idx]
         if not layer.is_initialized:
             layer.lazy_initialization(key_states, value_states)
-        if layer.cumulative_length == self._length():  # first layer of this forward
-            self._begin_step(key_states.shape[0], key_states.shape[-2], key_states.device, kwargs is not None)
-        step = self._step
-        layer.write(step.slots, key_states, value_states)
-        if step.paged:
-            kwargs["paged_kv"] = step.view
+        self._check_batch(key_states.shape[0])
+        plan = self._plan(layer.cumulative_length, key_states.shape[-2], key_states.device)
+        layer.write(plan.slots, key_states, value_states)
+        self._seal_complete()
+        if kwargs is not None and channel.reads_stored(self._config, PagedKV):
+            channel.hand_over(kwargs, plan.view)
             return layer.keys, layer.values
-        return layer.gather(step.view)
+        return layer.gather(plan.view)
 
-    def _begin_step(self, batch: int, new_tokens: int, device, has_kwargs: bool) -> None:
-        tables = self.tables
-        if tables.num_rows == 0:
-            tables.add_rows(batch)
-        elif tables.num_rows != batch:
+    def _check_batch(self, batch: int) -> None:
+        if self.tables.num_rows == 0 and self._extent() == 0:
+            self.tables.add_rows(batch)
+        elif self.tables.num_rows != batch:
             raise ValueError(
-                f"PagedCache holds {tables.num_rows} rows but got a batch of {batch}; call cache.reset() (or "
+                f"PagedCache holds {self.tables.num_rows} rows but got a batch of {batch}; call cache.reset() (or "
                 "cache.load_prefix(...)) before generating for a new batch."
             )
-        start = self._length()
-        copies = tables.grow([start + new_tokens] * batch)  # raises OutOfBlocksError before any change
+
+    def _plan(self, start: int, new_tokens: int, device) -> _Plan:
+        """Slots for positions ``start..start+T-1`` of every row, made writable first (copy-on-write)."""
+        tables, key = self.tables, (start, new_tokens, device)
+        plan = self._plans.get(key)
+        if plan is not None and plan.version == tables.version:
+            return plan
+        self._copy_blocks(tables.prepare_writes([(start, start + new_tokens)] * tables.num_rows))
+        if any(p.version != tables.version for p in self._plans.values()):
+            self._plans.clear()
+        block_tables = torch.tensor(tables.tables(), dtype=torch.long, device=device).view(tables.num_rows, -1)
+        plan = self._plans[key] = _Plan(block_tables, start, new_tokens, self.block_size, tables.version)
+        return plan
+
+    def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         if copies:
-            src, dst = (torch.tensor(ids, device=device) for ids in zip(*copies))
             for layer in self.layers:
                 if layer.is_initialized:
-                    layer.copy_blocks(src, dst)
-        block_tables = torch.tensor(tables.tables(), dtype=torch.long, device=device)  # [B, M]
-        paged = has_kwargs and _compat.attn_implementation(self._config) == ATTN_NAME
-        self._step = _Step(block_tables, start, new_tokens, self.block_size, paged)
+                    layer.copy_blocks(copies)
 
-    def _length(self) -> int:
-        return self.tables.length(0) if self.tables.num_rows else 0
+    def _seal_complete(self) -> None:
+        """Seal the rows up to the shortest layer once it has grown (then its blocks may be hashed)."""
+        complete = min(layer.cumulative_length for layer in self.layers)
+        if complete > self._sealed:
+            for row in range(self.tables.num_rows):
+                self.tables.seal(row, complete)
+            self._sealed = complete
 
-    # ---- Cache API -----------------------------------------------------------------------------
+    # ---- lengths and rollback (C2, C3, C4) -----------------------------------------------------------
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.layers[layer_idx].get_seq_length() if layer_idx < len(self.layers) else 0
 
+    def _extent(self) -> int:
+        """Tokens held by the longest layer: the extent of every row's block table."""
+        return max(layer.cumulative_length for layer in self.layers)
+
     def crop(self, tokens_to_remove: int) -> None:
-        """Remove the last ``-tokens_to_remove`` tokens (negative, like ``DynamicCache.crop``); frees tail blocks."""
+        """Remove the newest ``-tokens_to_remove`` tokens of every layer, each from its own length (negative,
+        like ``DynamicCache.crop``); frees the tail blocks no layer needs any more."""
         if tokens_to_remove > 0:
             raise ValueError(f"crop({tokens_to_remove}): pass a negative number of tokens to remove.")
-        new_length = max(0, self._length() + tokens_to_remove)
-        for row in range(self.tables.num_rows):
-            self.tables.truncate(row, new_length)
-        self._set_lengths(new_length)
+        self._shrink({i: max(0, layer.cumulative_length + tokens_to_remove) for i, layer in enumerate(self.layers)})
 
+    def crop_layers(self, length: int, layers: Iterable[int] | None = None) -> None:
+        """Keep the first ``length`` tokens of the given layers (all by default); the others are untouched."""
+        chosen = self._layer_ids(layers, "crop_layers")
+        for i in chosen:
+            held = self.layers[i].cumulative_length
+            if not isinstance(length, int) or not 0 <= length <= held:
+                raise ValueError(f"crop_layers({length!r}): layer {i} holds {held} tokens; pass a length in 0..{held}.")
+        self._shrink({i: length for i in chosen})
+
+    def keep_positions(self, start: int, indices: torch.Tensor, layers: Iterable[int] | None = None) -> None:
+        """In every row ``b`` move position ``start + indices[b, j]`` to ``start + j`` and drop the rest of the
+        newest segment of the given layers (all by default); each then holds ``start + k`` tokens.
+
+        ``indices`` ``[B, k]`` integer, each in ``0..n-1`` for the segment of ``n`` tokens after ``start``
+        (contract C4 asks for ascending rows; any order is moved correctly here). Shared or cached blocks
+        are copied before a slot in them is written (copy-on-write); kept-in-place positions are not written.
+        """
+        chosen = self._layer_ids(layers, "keep_positions")
+        kept = self._check_keep(start, indices, chosen)  # [B][k] python ints
+        copies, moves, first_changed = self.tables.prepare_moves(start, kept)
+        self._copy_blocks(copies)
+        if moves:
+            src, dst = torch.tensor(moves).T  # [X] flat slots each
+            for i in chosen:
+                if self.layers[i].is_initialized:
+                    self.layers[i].move(src, dst)
+        self._shrink({i: start + indices.shape[1] for i in chosen}, first_changed)
+
+    def _check_keep(self, start, indices, chosen: list[int]) -> list[list[int]]:
+        where = "PagedCache.keep_positions"
+        if not isinstance(indices, torch.Tensor) or indices.dim() != 2 or indices.dtype.is_floating_point \
+                or indices.dtype.is_complex or indices.dtype == torch.bool:
+            raise ValueError(f"{where}: indices must be an integer tensor [B, k] (e.g. torch.long) of positions in "
+                             f"the newest segment, got {type(indices).__name__} {tuple(getattr(indices, 'shape', ()))}.")
+        if indices.shape[0] != self.tables.num_rows:
+            raise ValueError(f"{where}: indices has {indices.shape[0]} rows but the cache holds "
+                             f"{self.tables.num_rows}; pass one row of indices per cache row.")
+        held = min((self.layers[i].cumulative_length for i in chosen), default=0)
+        if not isinstance(start, int) or not 0 <= start <= held:
+            raise ValueError(f"{where}: start={start!r} is outside 0..{held} (the shortest chosen layer); pass the "
+                             "length the layers had before the segment was appended.")
+        segment = held - start
+        if indices.shape[1] > segment:
+            raise ValueError(f"{where}: cannot keep {indices.shape[1]} positions of a {segment}-token segment; "
+                             "pad shorter rows by repeating an index, not past the segment.")
+        kept = indices.tolist()
+        if any(not 0 <= i < segment for row in kept for i in row):
+            raise ValueError(f"{where}: indices must lie in 0..{segment - 1} (the segment [{start}, {held})).")
+        return kept
+
+    def _layer_ids(self, layers: Iterable[int] | None, where: str) -> list[int]:
+        chosen = list(range(len(self.layers))) if layers is None else list(layers)
+        bad = [i for i in chosen if not isinstance(i, int) or not 0 <= i < len(self.layers)]
+        if bad:
+            raise ValueError(f"PagedCache.{where}: layers {bad} do not exist; pass indices in 0..{len(self.layers) - 1}.")
+        return chosen
+
+    def _shrink(self, new_lengths: dict[int, int], first_changed: list[int | None] | None = None) -> None:
+        """Set the given layers' lengths (never longer); rows forget ids and hashes from the first position
+        whose contents change (``first_changed[row]``, or the shortest shrunk length); free blocks past the
+        longest layer."""
+        shrunk = min((n for i, n in new_lengths.items() if n < self.layers[i].cumulative_length), default=None)
+        for i, length in new_lengths.items():
+            self.layers[i].cumulative_length = length
+        extent = self._extent()
+        for row in range(self.tables.num_rows):
+            changed = [p for p in (shrunk, first_changed[row] if first_changed else None) if p is not None]
+            if changed:
+                self.tables.unseal(row, min(changed))
+            if self.tables.length(row) > extent:
+                self.tables.truncate(row, extent)
+        self._sealed = min((self.tables.sealed(row) for row in range(self.tables.num_rows)), default=0)
+
+    # ---- batch edits (C5) ----------------------------------------------------------------------------
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: row i becomes old row ``beam_idx[i]`` by sharing blocks; later writes copy-on-write."""
         self._select_rows(beam_idx.tolist())
@@ -219,11 +355,12 @@ class PagedCache(Cache):
         """Release every row (blocks go back to the pool; indexed prefix blocks stay reusable)."""
         self.tables.release_all()
         self._set_lengths(0)
-        self._step = None
+        self._plans.clear()
 
     def _set_lengths(self, length: int) -> None:
         for layer in self.layers:
             layer.cumulative_length = length
+        self._sealed = length
 
     # ---- prefix reuse --------------------------------------------------------------------------
     def load_prefix(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
@@ -316,14 +453,28 @@ def _pages(states: torch.Tensor, num_blocks: int, block_size: int) -> torch.Tens
     return storage.permute(1, 2, 0, 3)
 
 
-class _Step:
-    """Index tensors of one forward, computed once and shared by all layers."""
+def _flat_slots(pages: torch.Tensor) -> torch.Tensor:
+    """Pages ``[N, P, Hkv, D]`` as the view ``[Hkv, N·P, D]`` over their head-major storage (slot = block·P + offset)."""
+    _, _, heads, dim = pages.shape
+    return pages.permute(2, 0, 1, 3).view(heads, -1, dim)
 
-    def __init__(self, block_tables: torch.Tensor, start: int, new_tokens: int, block_size: int, paged: bool):
-        self.paged = paged
-        self.view = PagedKV(block_tables, start + new_tokens)
+
+class _Plan:
+    """Index tensors of one write span ``start..start+T-1``, shared by the layers that write it."""
+
+    def __init__(self, block_tables: torch.Tensor, start: int, new_tokens: int, block_size: int, version: int):
+        self.version = version  # of the BlockTables it was computed from
+        self.view = PagedKV(block_tables, start + new_tokens)  # block_tables [B, M]; the writing layer's length
         positions = torch.arange(start, start + new_tokens, device=block_tables.device)
         self.slots = (block_tables[:, positions // block_size] * block_size + positions % block_size).reshape(-1)
+
+
+def _config_dtype(config) -> torch.dtype:
+    """The dtype a config declares for its weights (a name or a torch dtype), else float32."""
+    dtype = getattr(config, "dtype", None)
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype, None)
+    return dtype if isinstance(dtype, torch.dtype) else torch.float32
 
 
 def blocks_for_budget(config, block_size: int, memory_budget: int | str | None, dtype: torch.dtype) -> int:
