@@ -1,11 +1,13 @@
 """``QuantizedKVCache``: a croppable, beam-safe KIVI / int8 / fp8 KV cache for transformers, in pure torch.
 
 Boundary: a transformers ``Cache`` whose layers keep attention-sink tokens and a residual window in full
-precision and flush older tokens into a ``QuantizedStore``. What a layer returns from ``update`` depends on the
-model's attention implementation: with ``kvspec_quant`` (``enable_quantized_attention(model)``) it returns its
-window and hands its codes to that fused attention (kwarg ``quantized_kv``, see ``quantized_attention.py``) for
-forwards of up to ``MAX_FUSED_QUERIES`` tokens; otherwise (any other attention, long prefills) it returns every
-token's keys/values, the store dequantized — the reference path, which any attention can read.
+precision and flush older tokens into a ``QuantizedStore``. It obeys the cache contract (C1-C6) written in the
+docstring of ``hf_kvspec.cache``; the rules below are how it does so. What a layer returns from ``update``
+depends on whether the model's attention reads the stored form (``channel.reads_stored``): with ``kvspec_quant``
+(``enable_quantized_attention(model)``) it returns its window and hands its codes over the one side channel
+(``channel.hand_over``, a ``QuantizedKV``, see ``quantized_attention.py``) for forwards of up to
+``MAX_FUSED_QUERIES`` tokens; otherwise (any other attention, long prefills) it returns every token's
+keys/values, the store dequantized — the reference path, which any attention can read.
 
 One layer holds, in token order::
 
@@ -39,6 +41,25 @@ Crop rule (``crop(-k)``, used to roll back rejected speculative tokens):
       so ``nbytes()`` can exceed ``kv_cache_bytes`` for that length; the window still never holds more than
       ``max(residual_length, group_size - 1)`` tokens.
 
+Per-layer lengths (C2): each layer counts its own tokens; ``crop(-k)`` removes ``k`` from each layer's own
+length and ``crop_layers(length, layers)`` cuts the given layers to ``length`` tokens, both by the crop rule.
+
+Keep-positions rule (C4, ``keep_positions(start, indices, layers=None)``, after a tree verification): kept
+positions are moved only among full-precision tokens — inside the residual window, or across sinks and window
+while nothing has been flushed yet (the segment may then reach into the sinks). Codes are never shuffled or
+re-quantized, so when any position of the segment ``[start, length)`` has already been flushed into the store
+the call raises ``ValueError`` before changing any layer (C6). A tree must therefore fit in the window, and
+*after* the very update that wrote it, since that update flushes when the window overflows. After an update
+of ``n`` tokens the window holds at least ``min(total, residual_length - flush_unit + 1)`` tokens (a flush
+leaves the window between ``residual_length - unit + 1`` and ``residual_length`` tokens), so a segment of ``n``
+tokens is guaranteed to stay at full precision when
+
+    KIVI (unit = group_size):  residual_length >= n + group_size - 1   (a multiple of group_size)
+    int8 / fp8 (unit = 1):     residual_length >= n
+
+With ``residual_length=0`` no segment is guaranteed (KIVI keeps only an incomplete group; int8/fp8 nothing).
+Sinks count as full precision: with an empty store a segment that reaches into them is kept exactly.
+
 Deviations from KIVI (arXiv:2402.02750): none in the quantization itself (per-channel keys, per-token values,
 asymmetric, fp16 scale/zero, whole-group flushes); sink tokens follow KVQuant/StreamingLLM (arXiv:2401.18079,
 2309.17453) and are an opt-in extra; the prefill read rule is described above.
@@ -53,10 +74,11 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from hf_kvspec import _compat
-from hf_kvspec.cache.quantized_attention import ATTN_NAME, MAX_FUSED_QUERIES, QuantizedKV
+from hf_kvspec.cache import channel
+from hf_kvspec.cache.contract import check_keep_args, gather_segment
+from hf_kvspec.cache.quantized_attention import MAX_FUSED_QUERIES, QuantizedKV
 from hf_kvspec.cache.quantized_stores import Fp8Store, Int8Store, KiviStore, QuantizedStore, Workspace
-from hf_kvspec.memory import check_quant_params, quantized_token_split
+from hf_kvspec.memory import check_quant_params, head_dim, is_mla, quantized_token_split
 
 METHODS = ("kivi", "int8", "fp8")
 _DEFAULTS = {  # method -> (bits, group_size, residual_length)
@@ -100,6 +122,23 @@ class QuantSettings:
         if not isinstance(sink_tokens, int) or sink_tokens < 0:
             raise ValueError(f"sink_tokens={sink_tokens} must be a non-negative integer.")
         return cls(method, bits, group_size, residual_length, sink_tokens)
+
+    def check_head_dim(self, config) -> None:
+        """KIVI value groups run along the head dim: refuse at construction a group that does not divide it
+        (it would fail at the first flush), naming the group sizes that would work."""
+        if self.method != "kivi" or is_mla(config):  # MLA: the value width depends on the attention path
+            return
+        dim = head_dim(config)
+        if dim % self.group_size == 0:
+            return
+        unit = 8 // self.bits  # codes per byte: a group must pack into whole bytes
+        works = [g for g in range(unit, dim + 1, unit) if dim % g == 0]
+        fits = [g for g in works if self.residual_length % g == 0]
+        hint = (f"e.g. group_size={max(fits)} keeps residual_length={self.residual_length}" if fits
+                else "with residual_length a multiple of it")
+        raise ValueError(f"KIVI value groups run along head_dim={dim}, so group_size={self.group_size} must divide "
+                         f"it. Group sizes that work with bits={self.bits}: {', '.join(map(str, works))} ({hint}); "
+                         "or method='int8' / 'fp8', which have no groups.")
 
     @property
     def flush_unit(self) -> int:
@@ -156,14 +195,14 @@ class QuantizedKVLayer(CacheLayerMixin):
         self._flush()
         # either way the forward reads exactly what is stored (see "Read rule")
         if self._fused_read(kwargs, new_tokens):
-            kwargs["quantized_kv"] = QuantizedKV(self.store, self.sink_keys, self.sink_values, self.workspace)
+            channel.hand_over(kwargs, QuantizedKV(self.store, self.sink_keys, self.sink_values, self.workspace))
             return self.keys, self.values
         return self._assemble()
 
     def _fused_read(self, kwargs: dict | None, new_tokens: int) -> bool:
-        """Whether this forward's attention is ``kvspec_quant`` and should read the codes (see module docstring)."""
+        """Whether this forward's attention reads the codes (``kvspec_quant``; see the module docstring)."""
         return (kwargs is not None and self.store.length > 0 and new_tokens <= MAX_FUSED_QUERIES
-                and self.config is not None and _compat.attn_implementation(self.config) == ATTN_NAME)
+                and channel.reads_stored(self.config, QuantizedKV))
 
     def _fill_sinks(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Move the first tokens into the sinks until ``sink_tokens`` are held; return the rest."""
@@ -224,7 +263,12 @@ class QuantizedKVLayer(CacheLayerMixin):
             raise ValueError(f"crop({tokens_to_remove}): pass a negative number of tokens to remove, e.g. crop(-3).")
         if tokens_to_remove == 0 or not self.is_initialized:
             return
-        new_length = max(0, self.get_seq_length() + tokens_to_remove)
+        self.truncate(max(0, self.get_seq_length() + tokens_to_remove))
+
+    def truncate(self, new_length: int) -> None:
+        """Keep the first ``new_length`` tokens (``0 <= new_length <= get_seq_length()``), by the crop rule."""
+        if not self.is_initialized or new_length == self.get_seq_length():
+            return
         sinks = self.sink_keys.shape[2]
         kept_window = new_length - sinks - self.store.length
         if kept_window >= 0:
@@ -235,6 +279,48 @@ class QuantizedKVLayer(CacheLayerMixin):
         if survivors is not None:
             self.keys, self.values = survivors
         self.sink_keys, self.sink_values = _take(self.sink_keys, 0, new_length), _take(self.sink_values, 0, new_length)
+
+    # C4: keep positions of the newest segment, among full-precision tokens only (see the module docstring)
+    def check_keep(self, start: int, indices: torch.Tensor, where: str) -> None:
+        """Raise ``ValueError`` (changing nothing) unless ``keep_positions(start, indices)`` is legal here."""
+        length = self.get_seq_length()
+        check_keep_args(start, indices, length, self.keys.shape[0] if self.is_initialized else None, where)
+        sinks = self.sink_keys.shape[2] if self.is_initialized else 0
+        flushed_end = sinks + self.store.length
+        if start < length and self.store.length and start < flushed_end:
+            raise ValueError(self._flushed_message(start, length, max(start, sinks), flushed_end, where))
+
+    def _flushed_message(self, start: int, length: int, first: int, end: int, where: str) -> str:
+        s, segment = self.settings, length - start
+        if s.method == "kivi":
+            needed = -(-(segment + s.group_size - 1) // s.group_size) * s.group_size  # multiple of G >= n + G - 1
+            fix = (f"residual_length={needed} (>= segment tokens + group_size - 1, a multiple of group_size="
+                   f"{s.group_size}), or method='int8'/'fp8' with residual_length >= {segment}")
+        else:
+            fix = f"residual_length >= {segment} (the segment's tokens)"
+        return (f"{where}: positions {first}..{end - 1} of the segment [{start}, {length}) were already flushed into "
+                f"{s.method} codes; QuantizedKVCache keeps positions only inside its full-precision window "
+                f"(residual_length={s.residual_length}). A tree/segment must fit in the residual window after the "
+                f"update that wrote it: use {fix}.")
+
+    def keep_positions(self, start: int, indices: torch.Tensor) -> None:
+        """indices [B, k] into the segment ``[start, length)``: row b keeps ``start + indices[b, j]`` at ``start + j``.
+        Call ``check_keep`` first: this assumes the segment is at full precision."""
+        if not self.is_initialized or start >= self.get_seq_length():
+            return
+        sinks, stored = self.sink_keys.shape[2], self.store.length
+        base = sinks + stored if stored else 0  # position of the run's first token
+        keys, values = self.keys, self.values  # [B, H, n_window, D]
+        if not stored:  # nothing flushed: sinks and window are one full-precision run
+            keys, values = torch.cat([self.sink_keys, keys], 2), torch.cat([self.sink_values, values], 2)
+        local = start - base
+        keys = torch.cat([keys[:, :, :local], gather_segment(keys[:, :, local:], indices)], 2)
+        values = torch.cat([values[:, :, :local], gather_segment(values[:, :, local:], indices)], 2)
+        if not stored:  # the first min(sinks, total) tokens stay sinks, as _fill_sinks would have put them
+            sinks = min(sinks, keys.shape[2])
+            self.sink_keys, self.sink_values = _take(keys, 0, sinks), _take(values, 0, sinks)
+            keys, values = _take(keys, sinks), _take(values, sinks)
+        self.keys, self.values = keys, values
 
     def _map_batch(self, fn) -> None:
         if not self.is_initialized:
@@ -285,6 +371,7 @@ class QuantizedKVCache(Cache):
         if unsupported:
             raise ValueError(f"QuantizedKVCache supports full-attention layers only; this model has {unsupported}. "
                              "Use DynamicCache for sliding-window or hybrid models.")
+        self.settings.check_head_dim(text_config)
         self.config = text_config
         workspace = Workspace()  # one unpacking buffer for all layers (they attend one after another)
         layers = [QuantizedKVLayer(self.settings, text_config, workspace) for _ in range(text_config.num_hidden_layers)]
@@ -295,6 +382,34 @@ class QuantizedKVCache(Cache):
         ``kv_cache_bytes(config, S - n, B, dtype, **settings.memory_kwargs()) + kv_cache_bytes(config, n, B, dtype)``
         with ``n = min(S, sink_tokens)`` (the sinks are kept at full precision)."""
         return sum(layer.nbytes() for layer in self.layers)
+
+    # ------------------------------------------------------------------------------------------------ contract
+    def _chosen(self, layers) -> list[int]:
+        chosen = list(range(len(self.layers))) if layers is None else list(layers)
+        bad = [i for i in chosen if not 0 <= i < len(self.layers)]
+        if bad:
+            raise ValueError(f"layers {bad} do not exist; this cache has layers 0..{len(self.layers) - 1}.")
+        return chosen
+
+    def crop_layers(self, length: int, layers=None) -> None:
+        """C3: keep the first ``length`` tokens of the given layers (all by default), by the crop rule."""
+        chosen = self._chosen(layers)
+        for i in chosen:
+            held = self.layers[i].get_seq_length()
+            if not 0 <= length <= held:
+                raise ValueError(f"crop_layers({length}): layer {i} holds {held} tokens; pass a length in 0..{held}.")
+        for i in chosen:
+            self.layers[i].truncate(length)
+
+    def keep_positions(self, start: int, indices: torch.Tensor, layers=None) -> None:
+        """C4: in every row b, move position ``start + indices[b, j]`` to ``start + j`` and drop the rest of the
+        segment ``[start, length)``; indices [B, k]. Refused (nothing changed) if any chosen layer has flushed
+        part of the segment into codes: the segment must fit in the residual window (module docstring)."""
+        chosen = self._chosen(layers)
+        for i in chosen:
+            self.layers[i].check_keep(start, indices, f"QuantizedKVCache.keep_positions on layer {i}")
+        for i in chosen:
+            self.layers[i].keep_positions(start, indices)
 
     def __repr__(self) -> str:
         s = self.settings

@@ -1,0 +1,214 @@
+"""The cache contract's operations as functions over *any* cache, so the speculative loop never branches on type.
+
+Boundary: this module edits caches and answers what they can do; it decides nothing about which tokens to keep
+(the loop does) and builds no attention inputs. The contract itself (C1-C6) is the docstring of
+``hf_kvspec.cache``. Caches of ours (``QuantizedKVCache``, ``PagedCache``: objects with ``crop_layers`` /
+``keep_positions`` methods) are forwarded to; transformers' caches are edited through their public
+``layers[i].keys`` / ``.values`` tensors and lengths, layer by layer:
+
+    DynamicLayer                 keys [B, H, S, D], length = keys.shape[2]; edits build new tensors
+    DynamicSlidingWindowLayer    keys hold the newest tokens only (the last ``sliding_window - 1``, or all since
+                                 the last crop while recording the past); length = ``cumulative_length`` (int)
+    StaticLayer                  keys preallocated [B, H, max_cache_len, D], length = ``cumulative_length`` (a
+                                 0-d tensor, kept in place: static addresses for torch.compile); stale slots past
+                                 the length are left as they are, as ``StaticLayer.crop`` does
+    StaticSlidingWindowLayer     as StaticLayer while it is croppable (``max_cache_len <= sliding_window``), plus
+                                 its int mirror ``cumulative_length_int``
+
+Anything else (transformers' ``QuantizedCache``, linear-attention or indexed layers) is refused by name.
+Every edit checks every layer it touches before changing any (C6).
+
+Shape legend: ``B`` batch, ``H`` kv heads, ``S`` cached tokens, ``D`` head dim, ``n`` tokens of the newest
+segment, ``k`` positions kept per row.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from transformers.cache_utils import (
+    BaseQuantizedLayer,
+    DynamicLayer,
+    DynamicSlidingWindowLayer,
+    StaticLayer,
+    StaticSlidingWindowLayer,
+)
+
+_DYNAMIC = (DynamicLayer, DynamicSlidingWindowLayer)  # exact types: subclasses carry state we would not edit
+_STATIC = (StaticLayer, StaticSlidingWindowLayer)
+
+
+# ---------------------------------------------------------------------------------------------------- tensors
+def gather_segment(states: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """states [B, H, n, D], indices [B, k] (into the n tokens) -> [B, H, k, D]: row b's tokens indices[b, :]."""
+    batch, heads, _, dim = states.shape
+    index = indices.to(states.device, torch.long)[:, None, :, None].expand(batch, heads, indices.shape[1], dim)
+    return torch.gather(states, 2, index)
+
+
+def check_keep_args(start: int, indices, length: int, batch: int | None, where: str) -> None:
+    """Raise ``ValueError`` unless ``indices`` [B, k] selects from the segment ``[start, length)`` of a layer."""
+    if not isinstance(indices, torch.Tensor) or indices.dim() != 2 or indices.dtype.is_floating_point \
+            or indices.dtype == torch.bool:
+        raise ValueError(f"{where}: indices must be an integer tensor [B, k] of positions in the newest segment, "
+                         f"got {type(indices).__name__} {getattr(indices, 'shape', '')}.")
+    segment = length - start
+    if not 0 <= start <= length:
+        raise ValueError(f"{where}: start={start} is outside the layer's {length} tokens; pass the length the "
+                         "cache had before the segment was appended.")
+    if batch is not None and indices.shape[0] != batch:
+        raise ValueError(f"{where}: indices has {indices.shape[0]} rows but the cache holds {batch}.")
+    if indices.shape[1] > segment:
+        raise ValueError(f"{where}: cannot keep {indices.shape[1]} positions of a {segment}-token segment.")
+    if indices.numel() and (int(indices.min()) < 0 or int(indices.max()) >= segment):
+        raise ValueError(f"{where}: indices must lie in 0..{segment - 1} (the segment [{start}, {length})), got "
+                         f"{int(indices.min())}..{int(indices.max())}.")
+
+
+# ---------------------------------------------------------------------------------------------------- public API
+def seq_lengths(cache) -> list[int]:
+    """Tokens held by each layer (C2)."""
+    return [_length(layer) for layer in cache.layers]
+
+
+def crop_layers(cache, length: int, layers: Iterable[int] | None = None) -> None:
+    """Keep the first ``length`` tokens of the given layers (all by default); the others are untouched (C3)."""
+    if callable(getattr(cache, "crop_layers", None)):
+        cache.crop_layers(length, layers)
+        return
+    chosen = _chosen(cache, layers)
+    for i in chosen:
+        _check_crop(cache.layers[i], i, length)
+    for i in chosen:
+        removed = _length(cache.layers[i]) - length
+        if removed:
+            cache.layers[i].crop(-removed)
+
+
+def keep_positions(cache, start: int, indices: torch.Tensor, layers: Iterable[int] | None = None) -> None:
+    """Move, in every row ``b``, position ``start + indices[b, j]`` to ``start + j`` and drop the rest of the
+    newest segment (C4). indices [B, k] int64; each chosen layer then holds ``start + k`` tokens."""
+    if callable(getattr(cache, "keep_positions", None)):
+        cache.keep_positions(start, indices, layers)
+        return
+    chosen = _chosen(cache, layers)
+    for i in chosen:
+        _check_keep(cache.layers[i], i, start, indices)
+    for i in chosen:
+        layer = cache.layers[i]
+        if _length(layer) > start:  # an untouched (empty) segment needs no edit
+            _KEEPERS[type(layer)](layer, start, indices)
+
+
+def check_contract(cache, *, keep_positions: bool = False, per_layer: bool = False) -> None:
+    """Refuse, by name and with the fix, a cache that cannot do what the caller will ask: roll back (always),
+    keep positions of a segment (trees), crop a range of layers (self-speculation)."""
+    if cache is None:
+        return
+    name = type(cache).__name__
+    if not getattr(cache, "is_croppable", False) or not callable(getattr(cache, "crop", None)):
+        raise ValueError(_not_croppable(cache))
+    wanted = [m for m, asked in (("keep_positions", keep_positions), ("crop_layers", per_layer)) if asked]
+    if any(callable(getattr(cache, m, None)) for m in ("keep_positions", "crop_layers")):
+        missing = [m for m in wanted if not callable(getattr(cache, m, None))]
+        if missing:
+            raise ValueError(f"{name} has no {' / '.join(missing)}(), which this decoding needs; use DynamicCache "
+                             "or a cache of hf_kvspec that implements the cache contract (hf_kvspec.cache).")
+        return
+    for i, layer in enumerate(cache.layers):
+        _check_layer_kind(layer, i, name, keep_positions)
+
+
+# ---------------------------------------------------------------------------------------------------- layers
+def _length(layer) -> int:
+    return int(layer.get_seq_length()) if getattr(layer, "is_initialized", False) else 0
+
+
+def _chosen(cache, layers: Iterable[int] | None) -> list[int]:
+    chosen = list(range(len(cache.layers))) if layers is None else list(layers)
+    for i, layer in ((i, cache.layers[i]) for i in chosen):
+        _check_layer_kind(layer, i, type(cache).__name__, keep=False)
+    return chosen
+
+
+def _check_layer_kind(layer, i: int, cache_name: str, keep: bool) -> None:
+    kind = type(layer)
+    if kind not in _DYNAMIC + _STATIC:
+        raise ValueError(f"{cache_name} layer {i} is a {kind.__name__}, which hf_kvspec cannot crop per layer or "
+                         "keep positions in; use DynamicCache (or StaticCache) for speculative decoding.")
+    if kind is StaticSlidingWindowLayer and not layer.is_croppable:
+        raise ValueError(f"{cache_name} layer {i} is a StaticSlidingWindowLayer longer than its window: evicted "
+                         "states cannot be restored; use max_cache_len <= sliding_window or DynamicCache.")
+    if keep and kind is DynamicSlidingWindowLayer and not layer.record_past:
+        raise ValueError(f"{cache_name} layer {i} is a DynamicSlidingWindowLayer that keeps only its last "
+                         f"{layer.sliding_window - 1} tokens, so keeping positions past its window would need "
+                         "states it dropped; call cache.activate_past_recording() first "
+                         "(hf_kvspec.speculative.rollback.prepare_for_rollback does).")
+
+
+def _check_crop(layer, i: int, length: int) -> None:
+    held = _length(layer)
+    if not 0 <= length <= held:
+        raise ValueError(f"crop_layers({length}): layer {i} holds {held} tokens; pass a length in 0..{held}.")
+    _check_sliding_room(layer, i, length, length)
+
+
+def _check_keep(layer, i: int, start: int, indices: torch.Tensor) -> None:
+    batch = layer.keys.shape[0] if getattr(layer, "is_initialized", False) else None
+    check_keep_args(start, indices, _length(layer), batch, f"keep_positions on layer {i}")
+    _check_sliding_room(layer, i, start, start + indices.shape[1])
+
+
+def _check_sliding_room(layer, i: int, start: int, new_length: int) -> None:
+    """A dynamic sliding layer must still hold the segment from ``start`` and every token the window needs
+    after the edit (positions ``new_length - sliding_window + 1`` on): evicted states cannot come back."""
+    if type(layer) is not DynamicSlidingWindowLayer or _length(layer) == 0:
+        return
+    first_held = _length(layer) - layer.keys.shape[2]
+    needed = max(0, new_length - layer.sliding_window + 1)
+    if first_held > min(start, needed):
+        raise ValueError(f"layer {i} (sliding window {layer.sliding_window}) no longer holds positions before "
+                         f"{first_held}, which the edit needs; call cache.activate_past_recording() before the "
+                         "forward that wrote the segment, and edit before the next crop.")
+
+
+def _keep_dynamic(layer, start: int, indices: torch.Tensor) -> None:
+    # keys [B, H, S, D] -> [B, H, start + k, D]; new tensors (the old ones may be held by a caller)
+    offset = _length(layer) - layer.keys.shape[2]  # 0 unless a sliding layer dropped old tokens
+    local = start - offset
+    for name in ("keys", "values"):
+        states = getattr(layer, name)
+        setattr(layer, name, torch.cat([states[:, :, :local], gather_segment(states[:, :, local:], indices)], 2))
+
+
+def _keep_sliding(layer, start: int, indices: torch.Tensor) -> None:
+    _keep_dynamic(layer, start, indices)
+    layer.cumulative_length = start + indices.shape[1]
+    keep = layer.sliding_window - 1
+    if not layer.record_past and layer.keys.shape[2] > keep:  # transformers' invariant: the last window - 1
+        layer.keys, layer.values = layer.keys[:, :, -keep:], layer.values[:, :, -keep:]
+
+
+def _keep_static(layer, start: int, indices: torch.Tensor) -> None:
+    # keys [B, H, max_cache_len, D], written in place (static address); the gather copies before the write
+    end, kept = _length(layer), start + indices.shape[1]
+    for states in (layer.keys, layer.values):
+        states[:, :, start:kept].copy_(gather_segment(states[:, :, start:end], indices))
+    layer.cumulative_length.fill_(kept)
+    if type(layer) is StaticSlidingWindowLayer:
+        layer.cumulative_length_int = kept
+
+
+_KEEPERS = {DynamicLayer: _keep_dynamic, DynamicSlidingWindowLayer: _keep_sliding,
+            StaticLayer: _keep_static, StaticSlidingWindowLayer: _keep_static}
+
+
+def _not_croppable(cache) -> str:
+    name = type(cache).__name__
+    if any(isinstance(layer, BaseQuantizedLayer) for layer in getattr(cache, "layers", ())):
+        return (f"{name} holds transformers' quantized layers, which cannot crop (they re-quantize the whole "
+                "history at every flush), so rejected draft tokens could not be removed; use hf_kvspec's "
+                "QuantizedKVCache(model.config, ...), which crops and keeps positions in its full-precision window.")
+    return (f"{name} cannot be cropped (is_croppable is False or crop() is missing): speculative decoding removes "
+            "rejected draft tokens with cache.crop(-k); use DynamicCache, hf_kvspec's PagedCache or QuantizedKVCache.")
