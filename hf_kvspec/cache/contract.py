@@ -66,10 +66,24 @@ def check_keep_args(start: int, indices, length: int, batch: int | None, where: 
                          f"{int(indices.min())}..{int(indices.max())}.")
 
 
+def chosen_layers(num_layers: int, layers: Iterable[int] | None) -> list[int]:
+    """``layers`` (None: every layer) as a list, refusing indices the cache does not have."""
+    chosen = list(range(num_layers)) if layers is None else list(layers)
+    bad = [i for i in chosen if not 0 <= i < num_layers]
+    if bad:
+        raise ValueError(f"layers {bad} do not exist; this cache has layers 0..{num_layers - 1}.")
+    return chosen
+
+
+def check_crop_length(length: int, held: int, layer_idx: int) -> None:
+    if not 0 <= length <= held:
+        raise ValueError(f"crop_layers({length}): layer {layer_idx} holds {held} tokens; pass a length in 0..{held}.")
+
+
 # ---------------------------------------------------------------------------------------------------- public API
 def seq_lengths(cache) -> list[int]:
-    """Tokens held by each layer (C2)."""
-    return [_length(layer) for layer in cache.layers]
+    """Tokens held by each layer (C2); ``get_seq_length(i)`` is per layer in every cache (a tensor in static ones)."""
+    return [int(cache.get_seq_length(i)) for i in range(len(cache.layers))]
 
 
 def crop_layers(cache, length: int, layers: Iterable[int] | None = None) -> None:
@@ -126,7 +140,7 @@ def _length(layer) -> int:
 
 
 def _chosen(cache, layers: Iterable[int] | None) -> list[int]:
-    chosen = list(range(len(cache.layers))) if layers is None else list(layers)
+    chosen = chosen_layers(len(cache.layers), layers)
     for i, layer in ((i, cache.layers[i]) for i in chosen):
         _check_layer_kind(layer, i, type(cache).__name__, keep=False)
     return chosen
@@ -148,9 +162,7 @@ def _check_layer_kind(layer, i: int, cache_name: str, keep: bool) -> None:
 
 
 def _check_crop(layer, i: int, length: int) -> None:
-    held = _length(layer)
-    if not 0 <= length <= held:
-        raise ValueError(f"crop_layers({length}): layer {i} holds {held} tokens; pass a length in 0..{held}.")
+    check_crop_length(length, _length(layer), i)
     _check_sliding_room(layer, i, length, length)
 
 

@@ -75,7 +75,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from hf_kvspec.cache import channel
-from hf_kvspec.cache.contract import check_keep_args, gather_segment
+from hf_kvspec.cache.contract import check_crop_length, check_keep_args, chosen_layers, gather_segment
 from hf_kvspec.cache.quantized_attention import MAX_FUSED_QUERIES, QuantizedKV
 from hf_kvspec.cache.quantized_stores import Fp8Store, Int8Store, KiviStore, QuantizedStore, Workspace
 from hf_kvspec.memory import check_quant_params, head_dim, is_mla, quantized_token_split
@@ -355,7 +355,7 @@ class QuantizedKVCache(Cache):
         config: the model's config (its text config is used); every layer must be full attention.
         bits: 2 or 4 for ``"kivi"`` (default 4); 8 for ``"int8"`` / ``"fp8"``.
         group_size: KIVI group length: tokens per key group, channels per value group (default 64; must
-            divide the head dim). Not used by int8/fp8.
+            divide the head dim, checked here). Not used by int8/fp8.
         residual_length: newest tokens kept at full precision (KIVI default 128, a multiple of
             ``group_size``; int8/fp8 default 0).
         method: ``"kivi"``, ``"int8"`` (symmetric per token and head) or ``"fp8"`` (e4m3, per-head scales).
@@ -384,20 +384,11 @@ class QuantizedKVCache(Cache):
         return sum(layer.nbytes() for layer in self.layers)
 
     # ------------------------------------------------------------------------------------------------ contract
-    def _chosen(self, layers) -> list[int]:
-        chosen = list(range(len(self.layers))) if layers is None else list(layers)
-        bad = [i for i in chosen if not 0 <= i < len(self.layers)]
-        if bad:
-            raise ValueError(f"layers {bad} do not exist; this cache has layers 0..{len(self.layers) - 1}.")
-        return chosen
-
     def crop_layers(self, length: int, layers=None) -> None:
         """C3: keep the first ``length`` tokens of the given layers (all by default), by the crop rule."""
-        chosen = self._chosen(layers)
+        chosen = chosen_layers(len(self.layers), layers)
         for i in chosen:
-            held = self.layers[i].get_seq_length()
-            if not 0 <= length <= held:
-                raise ValueError(f"crop_layers({length}): layer {i} holds {held} tokens; pass a length in 0..{held}.")
+            check_crop_length(length, self.layers[i].get_seq_length(), i)
         for i in chosen:
             self.layers[i].truncate(length)
 
@@ -405,7 +396,7 @@ class QuantizedKVCache(Cache):
         """C4: in every row b, move position ``start + indices[b, j]`` to ``start + j`` and drop the rest of the
         segment ``[start, length)``; indices [B, k]. Refused (nothing changed) if any chosen layer has flushed
         part of the segment into codes: the segment must fit in the residual window (module docstring)."""
-        chosen = self._chosen(layers)
+        chosen = chosen_layers(len(self.layers), layers)
         for i in chosen:
             self.layers[i].check_keep(start, indices, f"QuantizedKVCache.keep_positions on layer {i}")
         for i in chosen:

@@ -36,6 +36,39 @@ def test_explicit_head_dim_wins_and_a_dividing_group_constructs():
     assert cache.layers[0].store.length > 0
 
 
+# ---------------------------------------------------------------------------------------------------- refusals
+def test_crop_layers_refuses_before_changing_anything():
+    cache = QuantizedKVCache(tiny_config("llama", num_hidden_layers=3), method="int8", residual_length=4)
+    states = torch.randn(1, 2, 9, 16)
+    for i in range(3):
+        cache.update(states[:, :, : 9 if i < 2 else 5], states[:, :, : 9 if i < 2 else 5], i)
+    with pytest.raises(ValueError, match="layer 2 holds 5 tokens"):
+        cache.crop_layers(7)
+    with pytest.raises(ValueError, match=r"layers \[3\] do not exist"):
+        cache.crop_layers(1, [0, 3])
+    assert [cache.get_seq_length(i) for i in range(3)] == [9, 9, 5]
+    cache.crop_layers(7, [0, 1])
+    assert [cache.get_seq_length(i) for i in range(3)] == [7, 7, 5]
+
+
+def test_a_tree_that_fits_the_stated_window_is_never_refused():
+    """The documented guarantee: KIVI residual_length >= n + group_size - 1 keeps an n-node tree at full
+    precision after the update that wrote it, wherever the flush boundary falls."""
+    nodes, group = 9, 16
+    residual = -(-(nodes + group - 1) // group) * group  # 32
+    for prompt in range(1, 2 * group + 2):
+        cache = QuantizedKVCache(tiny_config("llama"), bits=4, group_size=group, residual_length=residual)
+        cache.update(torch.randn(1, 2, prompt, 16), torch.randn(1, 2, prompt, 16), 0)
+        cache.update(torch.randn(1, 2, nodes, 16), torch.randn(1, 2, nodes, 16), 0)
+        cache.keep_positions(prompt, torch.tensor([[0, 3, 8]]), layers=[0])
+        assert cache.get_seq_length(0) == prompt + 3
+    cache = QuantizedKVCache(tiny_config("llama"), bits=4, group_size=group, residual_length=group)  # too small
+    cache.update(torch.randn(1, 2, 10, 16), torch.randn(1, 2, 10, 16), 0)
+    cache.update(torch.randn(1, 2, nodes, 16), torch.randn(1, 2, nodes, 16), 0)  # 19 > 16: flushes 0..15
+    with pytest.raises(ValueError, match=r"positions 10\.\.15 .* residual_length=32"):
+        cache.keep_positions(10, torch.tensor([[0, 3, 8]]), layers=[0])
+
+
 # ---------------------------------------------------------------------------------------------------- state machine
 # Shadow model: per layer, the full-precision value of every position ([B, H, S, D], plain tensors) — the input
 # token, or, for a token a crop moved back out of a cut KIVI group, the dequantized value the cache now holds
