@@ -12,7 +12,6 @@ import functools
 import math
 import sys
 import time
-from pathlib import Path
 
 _DTYPE_NAMES = ("bf16", "fp16", "fp32", "fp8")
 
@@ -158,22 +157,14 @@ def _check_generate(parser, args) -> None:
 
 
 def _assistant_problem(spec: str) -> str | None:
-    """What is wrong with an ``--assistant`` spec that can be told without the model (``assistants.py`` grammar)."""
-    from hf_kvspec.speculative.assistants import ASSISTANT_HELP
+    """What is wrong with an ``--assistant`` spec that can be told without the model (``assistants.check_spec``)."""
+    from hf_kvspec.speculative.assistants import check_spec
 
-    if spec == "ngram":
-        return None
-    if spec.startswith("draft:truncated:"):
-        layers = spec.removeprefix("draft:truncated:")
-        if not layers.isdigit():
-            return f"draft:truncated:<N> needs a layer count, got {spec!r}"
-        return None if int(layers) >= 1 else f"draft:truncated:<N> needs at least 1 layer, got {spec!r}"
-    if spec.startswith("draft:"):
-        path = Path(spec.removeprefix("draft:")).expanduser()
-        if not (path / "config.json").is_file():
-            return f"{spec}: not a model directory (no config.json); save one with save_pretrained()"
-        return None
-    return f"Unknown assistant {spec!r}; use {ASSISTANT_HELP}"
+    try:
+        check_spec(spec)
+    except (TypeError, ValueError) as err:
+        return str(err)
+    return None
 
 
 def _prompt_ids(tokenizer, prompt: str, chat: bool) -> dict:

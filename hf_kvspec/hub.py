@@ -17,6 +17,8 @@ TEMPLATE_DIR = Path(__file__).parent / "model_cards"  # links to the top-level m
 DEFAULT_TEMPLATE = "draft_head.md"
 _KIND = {"hf_kvspec_medusa": ("Medusa heads", "medusa", "arxiv:2401.10774"),
          "hf_kvspec_eagle": ("EAGLE drafter", "eagle", "arxiv:2401.15077")}
+#: what a card reads from ``CardFields.held_out``: the draft_acceptance result plus the prompt count and source
+HELD_OUT_KEYS = ("tau", "per_head_top1", "emitted_tokens", "target_forwards", "prompts", "source")
 _METADATA_ORDER = ["library_name", "license", "base_model", "tags", "datasets", "hf_kvspec_acceptance", "model-index"]
 
 
@@ -36,6 +38,12 @@ class CardFields:
     speedup: str | None = None
     limitations: str = ""
     parameters: int | None = None
+
+    def __post_init__(self):
+        missing = [key for key in HELD_OUT_KEYS if key not in self.held_out] if self.held_out is not None else []
+        if missing:
+            raise ValueError(f"CardFields.held_out lacks {missing}: pass the draft_acceptance result of evaluate_head "
+                             "plus 'prompts' (how many) and 'source' (where they came from), or leave it None.")
 
     @classmethod
     def from_summary(cls, summary: dict, **overrides) -> CardFields:
@@ -101,6 +109,9 @@ def render_model_card(config, fields: CardFields | None = None, template: str | 
     """Render the card for a head config; ``template`` defaults to ``model_cards/draft_head.md``."""
     import jinja2
 
+    if getattr(config, "model_type", None) not in _KIND:
+        raise TypeError(f"render_model_card takes a draft head's config (MedusaConfig or EagleConfig, e.g. "
+                        f"head.config), got {type(config).__name__}.")
     fields = fields or CardFields()
     path = Path(template) if template else TEMPLATE_DIR / DEFAULT_TEMPLATE
     if not path.is_file():

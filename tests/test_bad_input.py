@@ -10,6 +10,7 @@ import re
 
 import pytest
 import torch
+from huggingface_hub.errors import StrictDataclassClassValidationError
 
 import hf_kvspec
 from hf_kvspec._compat import attn_implementation
@@ -156,3 +157,164 @@ BAD_INPUTS = [
 def test_bad_input_is_refused_with_the_fix_named(call, error, fragment):
     with pytest.raises(error, match=re.escape(fragment)):
         call()
+
+
+# --- the audit, continued: drafters, heads, metrics, kernels and switches ---------------------------------------
+
+
+# a config's validators run inside huggingface_hub's strict dataclass, which wraps their ValueError in its own
+_CONFIG_ERROR = StrictDataclassClassValidationError
+
+
+def _medusa_config(**kwargs):
+    return hf_kvspec.MedusaConfig.for_base_model(_model(), **kwargs)
+
+
+def _medusa():
+    return hf_kvspec.MedusaHeads(_medusa_config(num_heads=2))
+
+
+def _auto_length(**kwargs):
+    from hf_kvspec.speculative.autok import AutoDraftLength
+
+    return AutoDraftLength(**kwargs)
+
+
+def _metric(name, *args, **kwargs):
+    return hf_kvspec.load_metric(name, *args, keep_in_memory=True, **kwargs)
+
+
+def _card(config, **fields):
+    from hf_kvspec import hub
+
+    return hub.render_model_card(config, hub.CardFields(**fields))
+
+
+BAD_INPUTS_AUDIT = [
+    # drafters and the draft length
+    ("NgramAssistant(num_draft_tokens=True)", lambda: hf_kvspec.NgramAssistant(num_draft_tokens=True), ValueError,
+     "got True"),
+    ("NgramAssistant(num_draft_tokens='auto', max_draft_tokens=0)",
+     lambda: hf_kvspec.NgramAssistant(num_draft_tokens="auto", max_draft_tokens=0), ValueError,
+     "max_draft_tokens must be a positive int, got 0"),
+    ("NgramAssistant(num_draft_tokens='auto', max_draft_tokens=2.5)",
+     lambda: hf_kvspec.NgramAssistant(num_draft_tokens="auto", max_draft_tokens=2.5), ValueError,
+     "max_draft_tokens must be a positive int, got 2.5"),
+    ("NgramAssistant(num_draft_tokens=4, max_draft_tokens=True)",
+     lambda: hf_kvspec.NgramAssistant(num_draft_tokens=4, max_draft_tokens=True), ValueError,
+     "max_draft_tokens must be a positive int, got True"),
+    ("AutoDraftLength(max_draft_tokens=0)", lambda: _auto_length(max_draft_tokens=0), ValueError,
+     "max_draft_tokens must be a positive int"),
+    ("AutoDraftLength(decay=1.5)", lambda: _auto_length(decay=1.5), ValueError, "0 < decay <= 1"),
+    ("AutoDraftLength(probe_every=0)", lambda: _auto_length(probe_every=0), ValueError, "probe_every"),
+    ("AutoDraftLength(initial=-1)", lambda: _auto_length(initial=-1), ValueError, "initial"),
+    ("AutoDraftLength(prior_slope_ratio=-1)", lambda: _auto_length(prior_slope_ratio=-1), ValueError,
+     "prior_slope_ratio"),
+    ("make_assistant(None, model)", lambda: hf_kvspec.make_assistant(None, _model()), TypeError,
+     "spec must be a string: ngram | draft:<dir> | draft:truncated:<N>"),
+    ("make_assistant('draft:truncated:0', model)", lambda: hf_kvspec.make_assistant("draft:truncated:0", _model()),
+     ValueError, "at least 1 layer"),
+    ("make_assistant('draft:', model)", lambda: hf_kvspec.make_assistant("draft:", _model()), ValueError,
+     "draft:<dir>"),
+    ("make_assistant('draft:truncated:1', None)", lambda: hf_kvspec.make_assistant("draft:truncated:1", None),
+     TypeError, "target model"),
+    # heads: configs, pairing, cards
+    ("EagleConfig(hidden_size=0)", lambda: hf_kvspec.EagleConfig(hidden_size=0), _CONFIG_ERROR, "base_hidden_size"),
+    ("MedusaConfig(vocab_size=10)", lambda: hf_kvspec.MedusaConfig(vocab_size=10), _CONFIG_ERROR, "base_vocab_size"),
+    ("EagleConfig(base_hidden_size=0)", lambda: hf_kvspec.EagleConfig(base_hidden_size=0), _CONFIG_ERROR,
+     "base_hidden_size=0"),
+    ("MedusaConfig(base_vocab_size=-1)", lambda: hf_kvspec.MedusaConfig(base_vocab_size=-1), _CONFIG_ERROR,
+     "base_vocab_size=-1"),
+    ("MedusaConfig(num_heads=2.5)", lambda: hf_kvspec.MedusaConfig(num_heads=2.5), _CONFIG_ERROR, "num_heads"),
+    ("MedusaConfig(num_layers=True)", lambda: hf_kvspec.MedusaConfig(num_layers=True), _CONFIG_ERROR, "num_layers"),
+    ("EagleConfig(feature_layers=-1)", lambda: hf_kvspec.EagleConfig(feature_layers=-1), _CONFIG_ERROR, "[-1]"),
+    ("EagleConfig(rms_norm_eps=0.0)", lambda: hf_kvspec.EagleConfig(rms_norm_eps=0.0), _CONFIG_ERROR, "rms_norm_eps"),
+    ("EagleDrafter.for_base_model(model, feature_layers=[40])",
+     lambda: hf_kvspec.EagleDrafter.for_base_model(_model(), feature_layers=[40]), _CONFIG_ERROR, "-3..2"),
+    ("EagleDrafter.for_base_model(None)", lambda: hf_kvspec.EagleDrafter.for_base_model(None), TypeError,
+     "loaded base model"),
+    ("EagleConfig.for_base_model(model.config)", lambda: hf_kvspec.EagleConfig.for_base_model(_model().config),
+     TypeError, "not its config"),
+    ("MedusaConfig.for_base_model(None)", lambda: hf_kvspec.MedusaConfig.for_base_model(None), TypeError,
+     "loaded base model"),
+    ("MedusaHeads(config).attach(None)", lambda: _medusa().attach(None), TypeError, "loaded base model"),
+    ("MedusaHeads(config).attach(model.config)", lambda: _medusa().attach(_model().config), TypeError,
+     "not its config"),
+    ("render_model_card(LlamaConfig)", lambda: _card(_model().config), TypeError, "MedusaConfig or EagleConfig"),
+    ("render_model_card(config, CardFields(held_out={'tau': 2.0}))",
+     lambda: _card(_medusa_config(), held_out={"tau": 2.0}), ValueError, "per_head_top1"),
+    ("MedusaHeads.push_to_hub(repo, tau=2.0)", lambda: _medusa().push_to_hub("user/heads", tau=2.0), TypeError,
+     "held_out="),
+    # metrics
+    ("load_metric('cache_fidelity', 'tree')", lambda: _metric("cache_fidelity", "tree"), ValueError,
+     "one configuration"),
+    ("draft_acceptance (chain).compute(..., tree=[[0], [1]])",
+     lambda: _metric("draft_acceptance").compute(predictions=[[[1, 2]]], references=[[1, 2]], tree=[[0], [1]]),
+     ValueError, "load_metric('draft_acceptance', 'tree')"),
+    # decode kernels
+    ("decode_kernels(None)", lambda: hf_kvspec.decode_kernels(None), TypeError,
+     "decode_kernels needs loaded models (torch.nn.Module)"),
+    ("decode_kernels()", lambda: hf_kvspec.decode_kernels(), TypeError, "decode_kernels needs loaded models"),
+    ("decode_kernels(model.config)", lambda: hf_kvspec.decode_kernels(_model().config), TypeError,
+     "LlamaConfig"),
+    ("DecodeKernels(model, min_weight_elements=-1)",
+     lambda: hf_kvspec.DecodeKernels(_model(), min_weight_elements=-1), ValueError, "min_weight_elements must be >= 0"),
+    ("DecodeKernels(model, memory_fraction=2)", lambda: hf_kvspec.DecodeKernels(_model(), memory_fraction=2),
+     ValueError, "memory_fraction"),
+    ("DecodeKernels(model, max_rows=2.5)", lambda: hf_kvspec.DecodeKernels(_model(), max_rows=2.5), ValueError,
+     "max_rows"),
+    ("release_decode_kernels(None)", lambda: hf_kvspec.release_decode_kernels(None), TypeError,
+     "loaded models"),
+    # enable / disable and the MLA patch
+    ("enable(None)", lambda: hf_kvspec.enable(None), TypeError, "enable() needs a loaded transformers model"),
+    ("disable(None)", lambda: hf_kvspec.disable(None), TypeError, "disable() needs a loaded transformers model"),
+    ("enable(model.config)", lambda: hf_kvspec.enable(_model().config), TypeError, "not its config"),
+    ("enable_mla_absorb(None)", lambda: hf_kvspec.enable_mla_absorb(None), TypeError, "loaded transformers model"),
+    ("enable_mla_absorb(model.config)", lambda: hf_kvspec.enable_mla_absorb(_model().config), TypeError,
+     "not its config"),
+]
+
+
+@pytest.mark.parametrize(("call", "error", "fragment"), [case[1:] for case in BAD_INPUTS_AUDIT],
+                         ids=[case[0] for case in BAD_INPUTS_AUDIT])
+def test_audit_bad_input_is_refused_with_the_fix_named(call, error, fragment):
+    with pytest.raises(error, match=re.escape(fragment)):
+        call()
+
+
+def test_enabled_generate_refuses_a_second_custom_generate():
+    """``enable(model)`` routes ``assistant=`` through speculative_generate; another ``custom_generate`` would reach
+    generate twice (TypeError deep in the wrapper), so it is refused by name, and the model stays enabled."""
+    model = hf_kvspec.enable(tiny_model("llama"))
+    try:
+        with pytest.raises(ValueError, match="drop custom_generate="):
+            model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=2, pad_token_id=0,
+                           assistant=hf_kvspec.NgramAssistant(), custom_generate=hf_kvspec.speculative_generate)
+    finally:
+        hf_kvspec.disable(model)
+
+
+def test_assistant_grammar_is_one_function_for_the_cli_and_make_assistant(tmp_path, monkeypatch):
+    """``check_spec`` parses without loading anything; the CLI's early check and ``make_assistant`` agree, including a
+    ``~`` path (the CLI expanded it, make_assistant did not)."""
+    from hf_kvspec import cli
+    from hf_kvspec.speculative.assistants import check_spec
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    tiny_model("llama", seed=5).save_pretrained(tmp_path / "draft")
+    assert check_spec("ngram") == ("ngram", None)
+    assert check_spec("draft:truncated:2") == ("truncated", 2)
+    assert check_spec("draft:~/draft") == ("draft", tmp_path / "draft")
+    assert isinstance(hf_kvspec.make_assistant("draft:~/draft", _model()), hf_kvspec.DraftModelAssistant)
+    for spec in ("medusa", "draft:truncated:0", "draft:truncated:x", "draft:", f"draft:{tmp_path / 'missing'}"):
+        with pytest.raises(ValueError) as refused:
+            check_spec(spec)
+        assert cli._assistant_problem(spec) == str(refused.value)
+    assert cli._assistant_problem("draft:~/draft") is None
+
+
+def test_eagle_feature_layers_in_range_are_accepted():
+    """The range check's boundary: -(L+1) and L index the hidden_states tuple of an L-layer base model."""
+    layers = _model().config.num_hidden_layers
+    drafter = hf_kvspec.EagleDrafter.for_base_model(_model(), feature_layers=[-(layers + 1), layers])
+    assert drafter.config.feature_layers == [-(layers + 1), layers]

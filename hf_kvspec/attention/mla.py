@@ -166,6 +166,9 @@ def enable_mla_absorb(model, strategy: Strategy = "auto") -> AttentionPatch:
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy={strategy!r}; use one of {STRATEGIES}.")
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"enable_mla_absorb expects a loaded transformers model (a PreTrainedModel), got "
+                        f"{type(model).__name__}; pass the model itself, not its config or a path.")
     modules = _mla_modules(model)
     if any(_patched(m) for m in modules):
         raise ValueError("MLA absorption is already enabled on this model; call .remove() on its handle first.")

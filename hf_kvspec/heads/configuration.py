@@ -10,7 +10,16 @@ import json
 from huggingface_hub.dataclasses import strict
 from transformers import PreTrainedConfig
 
-from hf_kvspec.heads.pairing import BaseModelRecord, describe_base_model
+from hf_kvspec.heads.pairing import BaseModelRecord, describe_base_model, require_base_model
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)  # a bool is an int to Python, not a count to us
+
+
+def _is_count(value, minimum: int) -> bool:
+    return _is_int(value) and value >= minimum
+
 
 _UNSAVED_BASE_FIELDS = ("architectures", "transformers_version", "auto_map", "dtype", "torch_dtype", "id2label",
                         "label2id")
@@ -28,6 +37,18 @@ class DraftHeadConfig(PreTrainedConfig):
     initializer_range: float = 0.02
     tie_word_embeddings: bool = False  # heads hold no embedding; the base model's is used at run time
 
+    def validate_base_model_record(self):
+        """The head's sizes are its base model's: refuse zero/negative ones and the plain names that would be ignored."""
+        name = type(self).__name__
+        for plain in ("hidden_size", "vocab_size"):
+            if getattr(self, plain, None) is not None:
+                raise ValueError(f"{name} has no {plain}: a head's width is its base model's, base_{plain}. Pass "
+                                 f"base_{plain}=..., or build the config with {name}.for_base_model(model).")
+        for field in ("base_hidden_size", "base_vocab_size"):
+            if not _is_count(getattr(self, field), 1):
+                raise ValueError(f"{name} needs a positive int {field}, got {field}={getattr(self, field)!r}; "
+                                 f"{name}.for_base_model(model) fills it from the base model.")
+
     @property
     def base_model_record(self) -> BaseModelRecord:
         return BaseModelRecord(self.base_model_name_or_path, self.base_model_revision, self.base_model_fingerprint,
@@ -36,6 +57,7 @@ class DraftHeadConfig(PreTrainedConfig):
     @classmethod
     def for_base_model(cls, base_model, name_or_path: str | None = None, revision: str | None = None, **kwargs):
         """A config whose base-model record describes ``base_model`` (a loaded causal LM)."""
+        require_base_model(base_model, f"{cls.__name__}.for_base_model")
         record = describe_base_model(base_model, name_or_path, revision)
         return cls(**record.to_config_kwargs(), **kwargs)
 
@@ -57,9 +79,9 @@ class MedusaConfig(DraftHeadConfig):
     share_lm_head: bool = True
 
     def validate_architecture(self):
-        if self.num_heads < 1 or self.num_layers < 0:
-            raise ValueError(f"MedusaConfig needs num_heads >= 1 and num_layers >= 0, got {self.num_heads}, "
-                             f"{self.num_layers}.")
+        if not (_is_count(self.num_heads, 1) and _is_count(self.num_layers, 0)):
+            raise ValueError(f"MedusaConfig needs num_heads >= 1 and num_layers >= 0 (ints), got {self.num_heads!r}, "
+                             f"{self.num_layers!r}.")
 
 
 @strict
@@ -88,11 +110,21 @@ class EagleConfig(DraftHeadConfig):
         super().__post_init__(**kwargs)
 
     def validate_architecture(self):
-        if not self.feature_layers:
-            raise ValueError("EagleConfig.feature_layers must name at least one base-model layer, e.g. [-1].")
+        layers = self.feature_layers
+        if not isinstance(layers, list) or not layers or not all(map(_is_int, layers)):
+            raise ValueError(f"EagleConfig.feature_layers must be a list naming at least one base-model layer, e.g. "
+                             f"[-1], got {layers!r}.")
+        depth = (self.base_config or {}).get("num_hidden_layers")
+        if isinstance(depth, int) and not all(-(depth + 1) <= i <= depth for i in layers):
+            raise ValueError(f"EagleConfig.feature_layers={layers} index the base model's hidden_states tuple "
+                             f"({depth + 1} entries: embeddings, then {depth} layers): use indices in "
+                             f"{-(depth + 1)}..{depth}.")
+        if not (isinstance(self.rms_norm_eps, (int, float)) and self.rms_norm_eps > 0):
+            raise ValueError(f"EagleConfig.rms_norm_eps must be a positive float, got {self.rms_norm_eps!r}.")
 
     @classmethod
     def for_base_model(cls, base_model, name_or_path: str | None = None, revision: str | None = None, **kwargs):
+        require_base_model(base_model, "EagleConfig.for_base_model")
         text_config = base_model.config.get_text_config()
         base = {k: v for k, v in text_config.to_dict().items() if not k.startswith("_") and k not in _UNSAVED_BASE_FIELDS}
         base = json.loads(json.dumps(base))  # exactly what config.json will hold, so a reload compares equal

@@ -54,9 +54,10 @@ class DraftHeadModel(PreTrainedModel):
 
     def borrowed(self) -> BorrowedModules:
         if not self.is_attached:
+            trained_for = self.config.base_model_name_or_path or "an unnamed base model"
             raise HeadNotAttachedError(
                 f"{type(self).__name__} uses its base model's embedding and LM head; call "
-                f"head.attach(base_model) first (trained for {self.config.base_model_name_or_path})."
+                f"head.attach(base_model) first (trained for {trained_for})."
             )
         return self._borrowed
 
@@ -71,11 +72,18 @@ class DraftHeadModel(PreTrainedModel):
                     **card_fields) -> str:
         """Upload weights, config and a model card (rendered from ``model_cards/`` unless ``card`` is given).
 
-        ``card_fields`` go to ``hf_kvspec.hub.CardFields`` (e.g. ``per_head_top1=[...]``, ``tau=...``).
-        Returns the commit URL.
+        ``card_fields`` go to ``hf_kvspec.hub.CardFields`` (e.g. ``held_out=`` the ``evaluate_head`` result plus
+        ``prompts`` and ``source``, ``speedup="..."``, ``datasets=[...]``). Returns the commit URL.
         """
         from hf_kvspec import hub
 
+        unknown = sorted(set(card_fields) - set(hub.CardFields.__dataclass_fields__))
+        if unknown:
+            raise TypeError(f"push_to_hub: {unknown} are not card fields; CardFields takes "
+                            f"{sorted(hub.CardFields.__dataclass_fields__)} (measured acceptance goes in held_out=).")
+        if card is not None and card_fields:
+            raise TypeError(f"push_to_hub got card= and card fields {sorted(card_fields)}: the fields only render a "
+                            "card, so pass one or the other.")
         card = card if card is not None else hub.render_model_card(self.config, hub.CardFields(**card_fields))
         return hub.push_head(self, repo_id, card, commit_message=commit_message, private=private, token=token,
                              revision=revision)

@@ -2,7 +2,7 @@
 
 Boundary: a collated batch (see ``features.collate``) with target features in, a scalar loss and per-head top-1
 counts out. The training loop (``scripts/train_drafter.py``) owns optimisation; the held-out metric is
-``hf_kvspec.heads.acceptance``.
+``hf_kvspec/metrics/draft_acceptance.py`` (``hf_kvspec.load_metric("draft_acceptance")``).
 
 Shapes: B batch, T positions, H hidden, V vocabulary, V' training vocabulary, K heads / unrolled steps.
 

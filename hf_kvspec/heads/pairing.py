@@ -43,6 +43,13 @@ class BaseModelRecord:
                 "base_vocab_size": self.vocab_size}
 
 
+def require_base_model(model, needed_by: str) -> None:
+    """Refuse anything but a loaded model (``None``, a config, a path) before it fails deep inside."""
+    if not (isinstance(model, nn.Module) and hasattr(model, "config")):
+        raise TypeError(f"{needed_by} needs the loaded base model (a transformers causal LM), got "
+                        f"{type(model).__name__}; pass the model itself, not its config or a path.")
+
+
 def _sample(weight: torch.Tensor) -> bytes:
     flat = weight.detach().reshape(-1)[::_SAMPLE_STRIDE]
     return flat.to(device="cpu", dtype=torch.bfloat16).view(torch.int16).numpy().tobytes()
@@ -71,6 +78,7 @@ def base_model_fingerprint(model: nn.Module) -> str:
 def describe_base_model(model: nn.Module, name_or_path: str | None = None,
                         revision: str | None = None) -> BaseModelRecord:
     """Record for a live base model; ``name_or_path`` defaults to ``model.config.name_or_path``."""
+    require_base_model(model, "describe_base_model")
     config = model.config.get_text_config()
     return BaseModelRecord(
         name_or_path=name_or_path or getattr(model.config, "name_or_path", None) or None,
@@ -86,6 +94,7 @@ def check_base_model(head_config, model: nn.Module, strict: bool = True) -> None
 
     Shape mismatches always raise. A fingerprint mismatch (same shapes, other weights) raises when ``strict``.
     """
+    require_base_model(model, "head.attach(base_model)")
     text_config = model.config.get_text_config()
     trained_for = head_config.base_model_name_or_path or "an unnamed base model"
     for field, theirs in (("hidden_size", text_config.hidden_size), ("vocab_size", text_config.vocab_size)):

@@ -77,8 +77,15 @@ class DecodeKernels:
 
     def __init__(self, *models: nn.Module, max_rows: int = 64, memory_fraction: float = 0.25,
                  force: str | None = None, min_weight_elements: int = 1 << 16):
-        if not 1 <= max_rows <= BUCKETS[-1][1]:
-            raise ValueError(f"max_rows must be in 1..{BUCKETS[-1][1]}, got {max_rows}")
+        _require_models(models)
+        if not (_is_int(max_rows) and 1 <= max_rows <= BUCKETS[-1][1]):
+            raise ValueError(f"max_rows must be an int in 1..{BUCKETS[-1][1]}, got {max_rows!r}")
+        if not (isinstance(memory_fraction, (int, float)) and 0 <= memory_fraction <= 1):
+            raise ValueError(f"memory_fraction must be in [0, 1] (a share of the available memory), got "
+                             f"{memory_fraction!r}")
+        if not (_is_int(min_weight_elements) and min_weight_elements >= 0):
+            raise ValueError(f"min_weight_elements must be >= 0 (an int; 0 swaps every eligible layer), got "
+                             f"{min_weight_elements!r}")
         if force is not None and force not in KERNELS:
             raise ValueError(f"force must be one of {KERNELS} or None, got {force!r}")
         if force == "onednn" and not onednn_available():
@@ -172,12 +179,24 @@ def decode_kernels(*models: nn.Module, **kwargs) -> DecodeKernels:
 
 def release_decode_kernels(*models: nn.Module) -> int:
     """Free the weight copies kept for these models' linear layers; returns the bytes freed."""
+    _require_models(models, "release_decode_kernels")
     return sum(copies.release(module) for model in models for module in model.modules())
 
 
 def settle(key: tuple) -> None:
     """A bucket of this shape just chose: drop copies no bucket of the shape uses any more."""
     copies.prune(key, kernels_in_use(key))
+
+
+def _require_models(models: tuple, name: str = "decode_kernels") -> None:
+    bad = [type(model).__name__ for model in models if not isinstance(model, nn.Module)]
+    if not models or bad:
+        raise TypeError(f"{name} needs loaded models (torch.nn.Module), got {bad or 'none'}; pass the models "
+                        "themselves (target, draft), not their configs.")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 # ------------------------------------------------------------------------------------------------ install

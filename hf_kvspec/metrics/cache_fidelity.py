@@ -65,6 +65,8 @@ IGNORE_INDEX = -100  # labels equal to this are not scored (the transformers con
 
 class CacheFidelity(evaluate.Metric):
     def _info(self) -> evaluate.MetricInfo:
+        if self.config_name != "default":
+            raise ValueError(f"cache_fidelity has one configuration; drop config_name={self.config_name!r}.")
         number = datasets.Value("float64")
         return evaluate.MetricInfo(
             description=_DESCRIPTION, citation=_CITATION, inputs_description=_KWARGS_DESCRIPTION,

@@ -87,6 +87,9 @@ class DraftAcceptance(evaluate.Metric):
         return self.config_name == "tree"
 
     def _compute(self, predictions, references, tree=None) -> dict:
+        if tree is not None and not self._is_tree:
+            raise ValueError("tree= is read by the 'tree' configuration only (the chain has no tree): "
+                             "load_metric('draft_acceptance', 'tree'), with ranked candidate lists as predictions.")
         candidates = predictions if self._is_tree else [[[[d] for d in row] for row in p] for p in predictions]
         return acceptance(candidates, references, tree, with_tree=self._is_tree)
 

@@ -7,6 +7,9 @@ Boundary: maps names to drafter constructors; knows nothing about the decode loo
                             with the target's tokenizer
     draft:truncated:<N>     DraftModelAssistant(truncated_draft(target, N)): the target's first N layers + final
                             norm + LM head (the stand-in until a trained drafter exists)
+
+``check_spec`` parses a spec without loading anything (the CLI calls it before the model loads); ``~`` in a
+directory is expanded.
 """
 
 from __future__ import annotations
@@ -16,24 +19,51 @@ from pathlib import Path
 ASSISTANT_HELP = "ngram | draft:<causal LM dir> | draft:truncated:<N layers of the target>"
 
 
-def make_assistant(spec: str, target, num_draft_tokens: int | str = 4):
-    """The drafter named by ``spec`` for ``target``; ``num_draft_tokens`` is K or ``"auto"``."""
-    from hf_kvspec.speculative.drafters.draft_model import DraftModelAssistant
-    from hf_kvspec.speculative.drafters.ngram import NgramAssistant
+def check_spec(spec: str) -> tuple[str, int | Path | None]:
+    """Parse ``spec`` without loading anything: ``("ngram", None)``, ``("truncated", N)`` or ``("draft", dir)``.
 
+    The one grammar for ``make_assistant`` and the CLI's early check; raises naming what is wrong. The upper bound
+    of ``N`` (the target's layer count) is checked by ``truncated_draft`` once the target is loaded.
+    """
+    if not isinstance(spec, str):
+        raise TypeError(f"spec must be a string: ngram | draft:<dir> | draft:truncated:<N>, got {type(spec).__name__}")
     if spec == "ngram":
-        return NgramAssistant(max_ngram=3, num_draft_tokens=num_draft_tokens)
+        return "ngram", None
     if spec.startswith("draft:truncated:"):
-        from hf_kvspec.speculative.drafters.truncated import truncated_draft
-
         layers = spec.removeprefix("draft:truncated:")
         if not layers.isdigit():
             raise ValueError(f"draft:truncated:<N> needs a layer count, got {spec!r}")
-        return DraftModelAssistant(truncated_draft(target, int(layers)), num_draft_tokens=num_draft_tokens)
+        if int(layers) < 1:
+            raise ValueError(f"draft:truncated:<N> needs at least 1 layer, got {spec!r}")
+        return "truncated", int(layers)
     if spec.startswith("draft:"):
-        return DraftModelAssistant(_load_draft(Path(spec.removeprefix("draft:")), target),
-                                   num_draft_tokens=num_draft_tokens)
+        if not spec.removeprefix("draft:"):
+            raise ValueError("draft:<dir> needs the directory of a saved causal LM, e.g. draft:./my-draft")
+        path = Path(spec.removeprefix("draft:")).expanduser()
+        if not (path / "config.json").is_file():
+            raise ValueError(f"{spec}: not a model directory (no config.json); save one with save_pretrained()")
+        return "draft", path
     raise ValueError(f"Unknown assistant {spec!r}; use {ASSISTANT_HELP}")
+
+
+def make_assistant(spec: str, target, num_draft_tokens: int | str = 4):
+    """The drafter named by ``spec`` for ``target``; ``num_draft_tokens`` is K or ``"auto"``."""
+    from torch import nn
+
+    from hf_kvspec.speculative.drafters.draft_model import DraftModelAssistant
+    from hf_kvspec.speculative.drafters.ngram import NgramAssistant
+
+    kind, value = check_spec(spec)
+    if not isinstance(target, nn.Module):
+        raise TypeError(f"make_assistant needs the loaded target model the drafter will serve, got "
+                        f"{type(target).__name__}.")
+    if kind == "ngram":
+        return NgramAssistant(max_ngram=3, num_draft_tokens=num_draft_tokens)
+    if kind == "truncated":
+        from hf_kvspec.speculative.drafters.truncated import truncated_draft
+
+        return DraftModelAssistant(truncated_draft(target, value), num_draft_tokens=num_draft_tokens)
+    return DraftModelAssistant(_load_draft(value, target), num_draft_tokens=num_draft_tokens)
 
 
 def parse_num_draft_tokens(value: str) -> int | str:
@@ -48,6 +78,4 @@ def parse_num_draft_tokens(value: str) -> int | str:
 def _load_draft(path: Path, target):
     from transformers import AutoModelForCausalLM
 
-    if not (path / "config.json").is_file():
-        raise ValueError(f"draft:{path}: not a model directory (no config.json); save one with save_pretrained()")
     return AutoModelForCausalLM.from_pretrained(path, dtype=target.dtype).to(target.device).eval()

@@ -48,9 +48,15 @@ class _Decayed:
         return intercept, prior_slope_ratio * intercept
 
 
+def is_count(value, minimum: int) -> bool:
+    """``value`` is an int >= ``minimum`` (a bool is not a count, though Python makes it an int)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+
+
 class AutoDraftLength:
     def __init__(self, max_draft_tokens: int = 16, initial: int = 4, probe_every: int = 16, decay: float = 0.95,
                  prior_slope_ratio: float = 0.15):
+        _check_settings(max_draft_tokens, initial, probe_every, decay, prior_slope_ratio)
         self.max_draft_tokens = max_draft_tokens
         self.initial = min(initial, max_draft_tokens)
         self.probe_every = probe_every
@@ -107,3 +113,16 @@ class AutoDraftLength:
         self.rejected = self.decay * self.rejected + sum(n < k for n in accepted)
         if timed:
             self.draft_time.add(k, outcome.draft_time_s)
+
+
+def _check_settings(max_draft_tokens, initial, probe_every, decay, prior_slope_ratio) -> None:
+    for name, value, minimum in (("max_draft_tokens", max_draft_tokens, 1), ("initial", initial, 0),
+                                 ("probe_every", probe_every, 1)):
+        if not is_count(value, minimum):
+            kind = "a positive int" if minimum else "a non-negative int"
+            raise ValueError(f"AutoDraftLength: {name} must be {kind}, got {value!r}")
+    if not (isinstance(decay, (int, float)) and 0 < decay <= 1):
+        raise ValueError(f"AutoDraftLength needs 0 < decay <= 1 (the weight an older round keeps), got {decay!r}")
+    if not (isinstance(prior_slope_ratio, (int, float)) and prior_slope_ratio >= 0):
+        raise ValueError(f"AutoDraftLength: prior_slope_ratio (verify cost per drafted token, as a share of a decode "
+                         f"step) must be >= 0, got {prior_slope_ratio!r}")

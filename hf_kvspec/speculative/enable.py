@@ -22,7 +22,7 @@ _MARK = "__hf_kvspec_original__"
 
 def enable(model):
     """Let ``model.generate`` take ``assistant=``; idempotent. Returns ``model``."""
-    if is_enabled(model):
+    if is_enabled(model, "enable"):
         return model
     original = model.generate
 
@@ -31,6 +31,10 @@ def enable(model):
         if assistant is None:
             return original(*args, **kwargs)
         from hf_kvspec.speculative.loop import speculative_generate
+
+        if kwargs.get("custom_generate") is not None:
+            raise ValueError("generate(assistant=...) on a model after hf_kvspec.enable() runs speculative_generate "
+                             "already; drop custom_generate= (or call hf_kvspec.disable(model) to pass your own).")
 
         kwargs = _stop_strings_as_criteria(kwargs)
         return original(*args, custom_generate=speculative_generate, assistant=assistant, **kwargs)
@@ -42,12 +46,15 @@ def enable(model):
 
 def disable(model):
     """Undo ``enable(model)``; a no-op when it was not enabled. Returns ``model``."""
-    if is_enabled(model):
+    if is_enabled(model, "disable"):
         del model.generate  # the class's generate shows through again
     return model
 
 
-def is_enabled(model) -> bool:
+def is_enabled(model, caller: str = "is_enabled") -> bool:
+    if not (callable(getattr(model, "generate", None)) and hasattr(model, "__dict__")):
+        raise TypeError(f"{caller}() needs a loaded transformers model (one with .generate), got "
+                        f"{type(model).__name__}; pass the model itself, not its config or a path.")
     return hasattr(vars(model).get("generate"), _MARK)
 
 

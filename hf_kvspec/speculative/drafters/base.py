@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from hf_kvspec.speculative.autok import AutoDraftLength
+from hf_kvspec.speculative.autok import AutoDraftLength, is_count
 from hf_kvspec.speculative.stats import AcceptanceStats
 
 if TYPE_CHECKING:
@@ -98,8 +98,10 @@ class Drafter(abc.ABC):
     proposes_trees: bool = False
 
     def __init__(self, num_draft_tokens: int | str = 4, max_draft_tokens: int = 16):
-        if num_draft_tokens != "auto" and (not isinstance(num_draft_tokens, int) or num_draft_tokens < 0):
+        if num_draft_tokens != "auto" and not is_count(num_draft_tokens, minimum=0):
             raise ValueError(f"num_draft_tokens must be a non-negative int or 'auto', got {num_draft_tokens!r}")
+        if not is_count(max_draft_tokens, minimum=1):  # checked without "auto" too
+            raise ValueError(f"max_draft_tokens must be a positive int, got {max_draft_tokens!r}")
         self.num_draft_tokens = num_draft_tokens
         self.auto = AutoDraftLength(max_draft_tokens=max_draft_tokens) if num_draft_tokens == "auto" else None
         self.stats = AcceptanceStats()
