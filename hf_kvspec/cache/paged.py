@@ -8,39 +8,36 @@ by ``BlockTables`` / ``BlockPool`` (plain Python). Attention over the pages is `
 one cache -> attention channel is ``cache/channel.py``.
 
 Per-layer lengths (C2): one block table per row, shared by all layers and sized to the longest layer
-(the table's *extent*); each layer keeps its own length and writes at it. Why one table and not one per
-layer (group): a normal forward writes every layer at the same positions, so a single table costs one
-allocation and one index computation per forward, and self-speculation's ragged phase (layers ``0..E-1``
-ahead by a few draft tokens) only leaves the slots of the shorter layers in the extent's last blocks
-unwritten for a while. How a layer writes ``T`` tokens at its length ``s``:
-    1. ``_plan(s, T)``: ``BlockTables.prepare_writes`` makes positions ``s..s+T-1`` of every row writable
-       — new tail blocks when ``s + T`` passes the extent, and copy-on-write of *every* shared or cached
-       block the span touches, also below the extent (a layer cropped back into a shared prefix block, a
-       fork taken while layers differed); a copy duplicates the block on every layer's pages. Slots and
-       the block-table tensor are cached by ``(s, T, device)`` and the tables' version, so the layers of a
-       normal forward compute them once; any table change invalidates them.
+(the table's *extent*); each layer keeps its own length and writes at it. One table rather than one per
+layer (group): a normal forward writes every layer at the same positions, so it costs one allocation and
+one index computation per forward, and self-speculation's ragged phase (layers ``0..E-1`` a few draft
+tokens ahead) only leaves some slots of the last blocks unwritten in the shorter layers for a while.
+A layer writing ``T`` tokens at its length ``s``:
+    1. ``BlockTables.prepare_writes`` makes positions ``s..s+T-1`` of every row writable: new tail blocks
+       past the extent, and copy-on-write of *every* shared or cached block the span touches, also below
+       the extent (a layer cropped back into a shared prefix block, a fork taken while layers differed);
+       a copy duplicates the block on every layer's pages. Slots and the block-table tensor (``_Plan``) are
+       cached by ``(s, T, device)`` and the tables' version: a normal forward computes them once.
     2. the layer scatters its K/V into its pages at those slots;
-    3. when the model's attention reads pages (``channel.reads_stored(config, PagedKV)``, i.e.
-       ``kvspec_paged``), the layer hands a ``PagedKV`` (block tables, that layer's length) over the channel
-       and returns its raw pages; otherwise it returns gathered contiguous K/V ``[B, Hkv, S, D]``.
-    4. when the shortest layer has caught up, the rows are *sealed* up to it: only blocks that every layer
-       has written are hashed for prefix caching (a half-written block must never be served).
-Rollback (``crop``, ``crop_layers``, ``keep_positions``) sets layer lengths; blocks past the longest layer
-are freed (a block is released only when no layer needs it), and the rows forget token ids and hashes
-from the first position whose contents change (``BlockTables.unseal``; pool hashes of intact cached
-blocks stay valid because such a block is copied before any write).
+    3. if the model's attention reads pages (``channel.reads_stored(config, PagedKV)``: ``kvspec_paged``),
+       the layer hands a ``PagedKV`` (block tables, this layer's length) over the channel and returns its
+       raw pages; otherwise it returns gathered contiguous K/V ``[B, Hkv, S, D]``;
+    4. once the shortest layer has caught up, rows are *sealed* up to it: only blocks every layer has
+       written are hashed for prefix caching (a half-written block must never be served).
+Rollback (``crop``, ``crop_layers``, ``keep_positions``) sets layer lengths and frees the blocks past the
+longest layer (a block goes only when no layer needs it); rows forget token ids and hashes from the first
+position whose contents change (``BlockTables.unseal``). Pool hashes of cached blocks stay valid: such a
+block is copied before any write, so its contents never change.
 
-``keep_positions`` (C4) moves slots inside each row's own blocks: the destination span is prepared like
-a write (copy-on-write of shared / cached blocks, so a segment starting inside a shared prefix block
-copies that block first), sources are gathered before any destination is written (any index order is
-safe), positions a row keeps in place are not written at all (a chain that accepts a prefix of its
-drafts behaves exactly like ``crop``), and blocks past the new extent are freed.
+``keep_positions`` (C4) moves slots inside each row's own blocks: the destination span is prepared like a
+write (a segment starting inside a shared / cached block copies that block first), all sources are read
+before any destination is written, positions kept in place are not written (a row that keeps its
+segment's head behaves exactly like ``crop``), and blocks past the new extent are freed.
 
-Page dtype: when the pool is sized from ``memory_budget`` (or ``dtype=`` is given), the pages are promised
-in that dtype, so K/V of another dtype is refused at the first write — before anything is allocated —
-rather than silently stored at a different size (which broke the budget) or cast (which would make the
-cache lossy and the paged attention's inputs disagree in dtype). Reduced-precision storage is what
-``QuantizedKVCache`` is for.
+Page dtype: when the pool is sized from ``memory_budget`` or ``dtype=`` is given, pages are promised in
+that dtype and K/V of another dtype is refused at the first write, before anything is stored. Storing it
+anyway broke the budget (fp32 pages in a pool sized for fp16); casting would make the cache lossy and the
+paged attention's inputs disagree in dtype. Reduced-precision K/V is ``QuantizedKVCache``'s job.
 
 Prefix reuse across ``generate`` calls (``enable_prefix_caching=True``): ``generate`` prefills only
 ``input_ids[:, cache.get_seq_length():]`` (it slices the prompt by the cache length when the attention

@@ -8,9 +8,9 @@ import itertools
 
 import pytest
 import torch
-from hypothesis import settings
+from hypothesis import event, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from hf_kvspec.attention.paged import ATTN_NAME, PagedKV, register_paged_attention, unregister_paged_attention
 from hf_kvspec.cache import channel
@@ -152,11 +152,12 @@ def test_keep_positions_inside_a_shared_prefix_block_copies_it_first():
     shared = cache.block_table(0)[1]  # block 1 holds tokens 4..7: full, hashed and cached
     assert cache.pool.block_hash(shared) is not None and not cache.pool.is_writable(shared)
     cache.batch_repeat_interleave(2)
-    cache.keep_positions(5, torch.tensor([[1, 3], [0, 1]]))  # row 0 moves 6 -> 5 (in block 1); row 1 keeps its head
+    cache.keep_positions(5, torch.tensor([[1, 2, 3], [0, 1, 2]]))  # row 0 moves 6..8 -> 5..7; row 1 keeps its head
     assert cache.block_table(0)[1] != shared and cache.block_table(1)[1] == shared
-    assert torch.equal(stored(cache, 2)[0][0], content[0, :, [0, 1, 2, 3, 4, 6, 8]])
-    assert torch.equal(stored(cache, 2)[0][1], content[0, :, :7])
-    assert cache.tables.hashes(0) == cache.tables.hashes(1)[:1]  # row 0 no longer claims block 1's hash
+    assert torch.equal(stored(cache, 2)[0][0], content[0, :, [0, 1, 2, 3, 4, 6, 7, 8]])
+    assert torch.equal(stored(cache, 2)[0][1], content[0, :, :8])
+    # T4: row 0's block 1 now holds other tokens, so the row stops claiming its hash; row 1 keeps both
+    assert cache.tables.hashes(0) == cache.tables.hashes(1)[:1] and len(cache.tables.hashes(1)) == 2
     cache.reset()
     assert cache.load_prefix(prompt) == 8  # the cached blocks are intact: a new request reuses both
     for layer in range(LAYERS):
@@ -244,8 +245,8 @@ def test_pages_keep_the_memory_budget_of_the_requested_dtype():
 
 
 # ---- state machine ------------------------------------------------------------------------------------------
-MAX_LEN = 24  # tokens per layer
-_BASES = ([4] * 20, [5, 6, 7, 8] * 5, [4] * 9 + [9, 8, 7, 6, 5, 4, 3, 2, 1, 0, 1])
+MAX_LEN = 32  # tokens per layer
+_BASES = ([4] * 28, [5, 6, 7, 8] * 7, [4] * 9 + [9, 8, 7, 6, 5, 4, 3, 2, 1, 0] * 2)  # shared heads: prefix hits
 
 
 def _content(tokens: tuple, layer: int) -> torch.Tensor:
@@ -265,7 +266,7 @@ class PagedContract(RuleBasedStateMachine):
     def __init__(self):
         super().__init__()
         blocks_per_row = -(-MAX_LEN // self.BLOCK)
-        self.cache = PagedCache(config(), block_size=self.BLOCK, num_blocks=3 * blocks_per_row + 1,
+        self.cache = PagedCache(config(), block_size=self.BLOCK, num_blocks=2 * blocks_per_row + 2,
                                 enable_prefix_caching=True)
         self.ref: list[torch.Tensor] | None = None  # None: the cache holds no rows
         self.fresh = itertools.count(1 << 13)  # unique values for generated tokens (prompt content stays below)
@@ -283,6 +284,7 @@ class PagedContract(RuleBasedStateMachine):
         try:
             self.cache.update(new, -new, layer)
         except OutOfBlocksError:
+            event("out of blocks")
             return False
         self.ref[layer] = torch.cat([self.ref[layer], new], 2)
         return True
@@ -293,13 +295,23 @@ class PagedContract(RuleBasedStateMachine):
         return codes.view(batch, 1, tokens, 1) * 32 + torch.arange(HEADS * DIM, dtype=torch.float32).view(1, HEADS, 1, DIM)
 
     # -- rules
-    @rule(data=st.data(), rows=st.integers(1, 3), length=st.integers(1, 20), split=st.integers(0, LAYERS))
+    _prompt_args = dict(data=st.data(), rows=st.integers(1, 3), length=st.integers(1, 28), split=st.integers(0, LAYERS))
+
+    @initialize(**_prompt_args)
+    def first_request(self, data, rows, length, split):
+        self.load_prompts(data, rows, length, split)
+
+    @rule(**_prompt_args)
+    def next_request(self, data, rows, length, split):
+        self.load_prompts(data, rows, length, split)
+
     def load_prompts(self, data, rows, length, split):
         """A new request: prefix hits attach cached blocks, the rest of the prompt is prefilled in two layer
         ranges (``0..split-1`` first, as self-speculation writes), content a function of the prompt."""
         prompts = [data.draw(st.sampled_from(_BASES))[:length] for _ in range(rows)]
         skipped = self.cache.load_prefix(torch.tensor(prompts))
         assert skipped % self.BLOCK == 0 and skipped <= length - 1
+        event("prefix hit" if skipped else "prefix miss")
         full = [torch.stack([torch.stack([_content(tuple(p[:t + 1]), layer) for t in range(length)], 1)
                              for p in prompts]) for layer in range(LAYERS)]  # per layer [B, H, length, D]
         self.ref = [f[:, :, :skipped] for f in full]
@@ -352,10 +364,14 @@ class PagedContract(RuleBasedStateMachine):
                 if segment else []
             rows.append(kept + [kept[-1] if kept else 0] * (width - len(kept)))
         indices = torch.tensor(rows, dtype=torch.long).view(self.batch, width)
+        before = self.cache.tables.tables()
         try:
             self.cache.keep_positions(start, indices, layers)
         except OutOfBlocksError:
+            event("out of blocks")
             return
+        copied = any(a != b for old, new in zip(before, self.cache.tables.tables()) for a, b in zip(old, new))
+        event(f"keep_positions {'copied a block' if copied else 'copied nothing'}")
         index = indices[:, None, :, None].expand(self.batch, HEADS, width, DIM)
         for i in chosen:
             self.ref[i] = torch.cat([self.ref[i][:, :, :start], torch.gather(self.ref[i][:, :, start:], 2, index)], 2)
@@ -419,7 +435,7 @@ class PagedContract(RuleBasedStateMachine):
         assert pool.num_free() == pool.num_blocks and all(pool.ref_count(b) == 0 for b in range(pool.num_blocks))
 
 
-_SETTINGS = settings(max_examples=25, stateful_step_count=20, deadline=None)
+_SETTINGS = settings(max_examples=40, stateful_step_count=25, deadline=None)
 
 
 class PagedContractBlock1(PagedContract):
