@@ -115,9 +115,11 @@ def keep_positions(cache, start: int, indices: torch.Tensor, layers: Iterable[in
             _KEEPERS[type(layer)](layer, start, indices)
 
 
-def check_contract(cache, *, keep_positions: bool = False, per_layer: bool = False) -> None:
+def check_contract(cache, *, keep_positions: bool = False, per_layer: bool = False,
+                   segment: int | None = None) -> None:
     """Refuse, by name and with the fix, a cache that cannot do what the caller will ask: roll back (always),
-    keep positions of a segment (trees), crop a range of layers (self-speculation)."""
+    keep positions of a segment of up to ``segment`` tokens (trees), crop a range of layers (self-speculation).
+    A cache that keeps positions only in a bounded window says so through ``check_keep_capacity(segment)``."""
     if cache is None:
         return
     name = type(cache).__name__
@@ -129,6 +131,8 @@ def check_contract(cache, *, keep_positions: bool = False, per_layer: bool = Fal
         if missing:
             raise ValueError(f"{name} has no {' / '.join(missing)}(), which this decoding needs; use DynamicCache "
                              "or a cache of hf_kvspec that implements the cache contract (hf_kvspec.cache).")
+        if keep_positions and callable(getattr(cache, "check_keep_capacity", None)):
+            cache.check_keep_capacity(segment or 1)
         return
     for i, layer in enumerate(cache.layers):
         _check_layer_kind(layer, i, name, keep_positions)

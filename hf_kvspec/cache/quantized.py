@@ -44,21 +44,17 @@ Crop rule (``crop(-k)``, used to roll back rejected speculative tokens):
 Per-layer lengths (C2): each layer counts its own tokens; ``crop(-k)`` removes ``k`` from each layer's own
 length and ``crop_layers(length, layers)`` cuts the given layers to ``length`` tokens, both by the crop rule.
 
-Keep-positions rule (C4, ``keep_positions(start, indices, layers=None)``, after a tree verification): kept
-positions are moved only among full-precision tokens — inside the residual window, or across sinks and window
-while nothing has been flushed yet (the segment may then reach into the sinks). Codes are never shuffled or
-re-quantized, so when any position of the segment ``[start, length)`` has already been flushed into the store
-the call raises ``ValueError`` before changing any layer (C6). A tree must therefore fit in the window, and
-*after* the very update that wrote it, since that update flushes when the window overflows. After an update
-of ``n`` tokens the window holds at least ``min(total, residual_length - flush_unit + 1)`` tokens (a flush
-leaves the window between ``residual_length - unit + 1`` and ``residual_length`` tokens), so a segment of ``n``
-tokens is guaranteed to stay at full precision when
+Keep-positions rule (C4, after a tree verification): positions move only among full-precision tokens — inside
+the window, or across sinks and window while nothing is flushed. Codes are never shuffled or re-quantized, so
+if any position of the segment ``[start, length)`` is already in the store, ``keep_positions`` raises
+``ValueError`` before changing any layer (C6). A tree must fit in the window *after* the update that wrote it
+(that update flushes when the window overflows, leaving it between ``residual_length - unit + 1`` and
+``residual_length`` tokens), so an ``n``-token segment is guaranteed to stay at full precision when
 
     KIVI (unit = group_size):  residual_length >= n + group_size - 1   (a multiple of group_size)
     int8 / fp8 (unit = 1):     residual_length >= n
 
-With ``residual_length=0`` no segment is guaranteed (KIVI keeps only an incomplete group; int8/fp8 nothing).
-Sinks count as full precision: with an empty store a segment that reaches into them is kept exactly.
+and never with ``residual_length=0``. ``check_keep_capacity(n)`` refuses a too-small window up front.
 
 Deviations from KIVI (arXiv:2402.02750): none in the quantization itself (per-channel keys, per-token values,
 asymmetric, fp16 scale/zero, whole-group flushes); sink tokens follow KVQuant/StreamingLLM (arXiv:2401.18079,
@@ -139,6 +135,20 @@ class QuantSettings:
         raise ValueError(f"KIVI value groups run along head_dim={dim}, so group_size={self.group_size} must divide "
                          f"it. Group sizes that work with bits={self.bits}: {', '.join(map(str, works))} ({hint}); "
                          "or method='int8' / 'fp8', which have no groups.")
+
+    def keep_capacity(self) -> int:
+        """The longest segment guaranteed to be at full precision right after the update that wrote it."""
+        return self.residual_length - self.flush_unit + 1 if self.residual_length else 0
+
+    def window_fix(self, segment: int) -> str:
+        """The rule and the settings that would keep a ``segment``-token tree in the window."""
+        if self.method == "kivi":
+            needed = -(-(segment + self.group_size - 1) // self.group_size) * self.group_size
+            fix = (f"residual_length={needed} (>= segment tokens + group_size - 1, a multiple of group_size="
+                   f"{self.group_size}), or method='int8'/'fp8' with residual_length >= {segment}")
+        else:
+            fix = f"residual_length >= {segment} (the segment's tokens)"
+        return f"A tree/segment must fit in the residual window after the update that wrote it: use {fix}."
 
     @property
     def flush_unit(self) -> int:
@@ -286,22 +296,12 @@ class QuantizedKVLayer(CacheLayerMixin):
         length = self.get_seq_length()
         check_keep_args(start, indices, length, self.keys.shape[0] if self.is_initialized else None, where)
         sinks = self.sink_keys.shape[2] if self.is_initialized else 0
-        flushed_end = sinks + self.store.length
-        if start < length and self.store.length and start < flushed_end:
-            raise ValueError(self._flushed_message(start, length, max(start, sinks), flushed_end, where))
-
-    def _flushed_message(self, start: int, length: int, first: int, end: int, where: str) -> str:
-        s, segment = self.settings, length - start
-        if s.method == "kivi":
-            needed = -(-(segment + s.group_size - 1) // s.group_size) * s.group_size  # multiple of G >= n + G - 1
-            fix = (f"residual_length={needed} (>= segment tokens + group_size - 1, a multiple of group_size="
-                   f"{s.group_size}), or method='int8'/'fp8' with residual_length >= {segment}")
-        else:
-            fix = f"residual_length >= {segment} (the segment's tokens)"
-        return (f"{where}: positions {first}..{end - 1} of the segment [{start}, {length}) were already flushed into "
-                f"{s.method} codes; QuantizedKVCache keeps positions only inside its full-precision window "
-                f"(residual_length={s.residual_length}). A tree/segment must fit in the residual window after the "
-                f"update that wrote it: use {fix}.")
+        end, s = sinks + self.store.length, self.settings
+        if start < length and self.store.length and start < end:
+            raise ValueError(f"{where}: positions {max(start, sinks)}..{end - 1} of the segment [{start}, {length}) "
+                             f"were already flushed into {s.method} codes; QuantizedKVCache keeps positions only "
+                             f"inside its full-precision window (residual_length={s.residual_length}). "
+                             f"{s.window_fix(length - start)}")
 
     def keep_positions(self, start: int, indices: torch.Tensor) -> None:
         """indices [B, k] into the segment ``[start, length)``: row b keeps ``start + indices[b, j]`` at ``start + j``.
@@ -401,6 +401,13 @@ class QuantizedKVCache(Cache):
             self.layers[i].check_keep(start, indices, f"QuantizedKVCache.keep_positions on layer {i}")
         for i in chosen:
             self.layers[i].keep_positions(start, indices)
+
+    def check_keep_capacity(self, segment: int) -> None:
+        """Refuse up front a tree of ``segment`` nodes that ``keep_positions`` could not be sure to accept."""
+        if self.settings.keep_capacity() < segment:
+            raise ValueError(f"QuantizedKVCache keeps positions only inside its full-precision window, which is "
+                             f"sure to hold {self.settings.keep_capacity()} tokens after an update (residual_length="
+                             f"{self.settings.residual_length}). {self.settings.window_fix(segment)}")
 
     def __repr__(self) -> str:
         s = self.settings

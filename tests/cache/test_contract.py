@@ -202,8 +202,20 @@ def test_static_sliding_layer_longer_than_its_window_is_refused():
 
 def test_contract_accepts_what_it_supports():
     for cache in (DynamicCache(config=LLAMA), StaticCache(config=LLAMA, max_cache_len=MAX),
-                  QuantizedKVCache(LLAMA, method="int8"), None):
-        contract.check_contract(cache, keep_positions=True, per_layer=True)
+                  QuantizedKVCache(LLAMA, method="int8", residual_length=8), None):
+        contract.check_contract(cache, keep_positions=True, per_layer=True, segment=8)
+    contract.check_contract(QuantizedKVCache(LLAMA, method="int8"), per_layer=True)  # rollback needs no window
+
+
+@pytest.mark.parametrize("settings, segment, fix", [
+    (dict(method="int8"), None, "residual_length >= 1"),  # window 0: no tree can be kept
+    (dict(method="int8", residual_length=8), 9, "residual_length >= 9"),
+    (dict(bits=4, group_size=16, residual_length=32), 18, "residual_length=48"),  # 32 - 16 + 1 = 17 < 18
+])
+def test_quantized_cache_too_small_for_the_tree_is_refused_up_front(settings, segment, fix):
+    with pytest.raises(ValueError, match=f"must fit in the residual window.*{fix}"):
+        contract.check_contract(QuantizedKVCache(LLAMA, **settings), keep_positions=True, segment=segment)
+    contract.check_contract(QuantizedKVCache(LLAMA, **settings), keep_positions=False)
 
 
 @pytest.mark.parametrize("start, indices, match", [

@@ -54,17 +54,17 @@ def test_crop_layers_refuses_before_changing_anything():
 def test_a_tree_that_fits_the_stated_window_is_never_refused():
     """The documented guarantee: KIVI residual_length >= n + group_size - 1 keeps an n-node tree at full
     precision after the update that wrote it, wherever the flush boundary falls."""
-    nodes, group = 9, 16
-    residual = -(-(nodes + group - 1) // group) * group  # 32
-    for prompt in range(1, 2 * group + 2):
+    nodes, group, residual = 17, 16, 32  # 32 >= 17 + 16 - 1: the largest tree this window guarantees
+    for prompt in range(1, 2 * group + 2):  # every position of the flush boundary relative to the tree
         cache = QuantizedKVCache(tiny_config("llama"), bits=4, group_size=group, residual_length=residual)
+        assert cache.settings.keep_capacity() == nodes
         cache.update(torch.randn(1, 2, prompt, 16), torch.randn(1, 2, prompt, 16), 0)
         cache.update(torch.randn(1, 2, nodes, 16), torch.randn(1, 2, nodes, 16), 0)
-        cache.keep_positions(prompt, torch.tensor([[0, 3, 8]]), layers=[0])
+        cache.keep_positions(prompt, torch.tensor([[0, 3, 16]]), layers=[0])
         assert cache.get_seq_length(0) == prompt + 3
     cache = QuantizedKVCache(tiny_config("llama"), bits=4, group_size=group, residual_length=group)  # too small
     cache.update(torch.randn(1, 2, 10, 16), torch.randn(1, 2, 10, 16), 0)
-    cache.update(torch.randn(1, 2, nodes, 16), torch.randn(1, 2, nodes, 16), 0)  # 19 > 16: flushes 0..15
+    cache.update(torch.randn(1, 2, 9, 16), torch.randn(1, 2, 9, 16), 0)  # 19 > 16 tokens: flushes 0..15
     with pytest.raises(ValueError, match=r"positions 10\.\.15 .* residual_length=32"):
         cache.keep_positions(10, torch.tensor([[0, 3, 8]]), layers=[0])
 
