@@ -58,6 +58,7 @@ N blocks · P block size · M blocks per row · k kept positions per row.
 
 from __future__ import annotations
 
+import operator
 import os
 from collections.abc import Iterable
 
@@ -265,9 +266,9 @@ class PagedCache(Cache):
         chosen = self._layer_ids(layers, "crop_layers")
         for i in chosen:
             held = self.layers[i].cumulative_length
-            if not isinstance(length, int) or not 0 <= length <= held:
+            if not _is_int(length) or not 0 <= length <= held:
                 raise ValueError(f"crop_layers({length!r}): layer {i} holds {held} tokens; pass a length in 0..{held}.")
-        self._shrink({i: length for i in chosen})
+        self._shrink({int(i): int(length) for i in chosen})
 
     def keep_positions(self, start: int, indices: torch.Tensor, layers: Iterable[int] | None = None) -> None:
         """In every row ``b`` move position ``start + indices[b, j]`` to ``start + j`` and drop the rest of the
@@ -279,6 +280,7 @@ class PagedCache(Cache):
         """
         chosen = self._layer_ids(layers, "keep_positions")
         kept = self._check_keep(start, indices, chosen)  # [B][k] python ints
+        start = int(start)
         copies, moves, first_changed = self.tables.prepare_moves(start, kept)
         self._copy_blocks(copies)
         if moves:
@@ -298,7 +300,7 @@ class PagedCache(Cache):
             raise ValueError(f"{where}: indices has {indices.shape[0]} rows but the cache holds "
                              f"{self.tables.num_rows}; pass one row of indices per cache row.")
         held = min((self.layers[i].cumulative_length for i in chosen), default=0)
-        if not isinstance(start, int) or not 0 <= start <= held:
+        if not _is_int(start) or not 0 <= start <= held:
             raise ValueError(f"{where}: start={start!r} is outside 0..{held} (the shortest chosen layer); pass the "
                              "length the layers had before the segment was appended.")
         segment = held - start
@@ -312,10 +314,10 @@ class PagedCache(Cache):
 
     def _layer_ids(self, layers: Iterable[int] | None, where: str) -> list[int]:
         chosen = list(range(len(self.layers))) if layers is None else list(layers)
-        bad = [i for i in chosen if not isinstance(i, int) or not 0 <= i < len(self.layers)]
+        bad = [i for i in chosen if not _is_int(i) or not 0 <= i < len(self.layers)]
         if bad:
             raise ValueError(f"PagedCache.{where}: layers {bad} do not exist; pass indices in 0..{len(self.layers) - 1}.")
-        return chosen
+        return [int(i) for i in chosen]
 
     def _shrink(self, new_lengths: dict[int, int], first_changed: list[int | None] | None = None) -> None:
         """Set the given layers' lengths (never longer); rows forget ids and hashes from the first position
@@ -464,6 +466,17 @@ class _Plan:
         self.view = PagedKV(block_tables, start + new_tokens)  # block_tables [B, M]; the writing layer's length
         positions = torch.arange(start, start + new_tokens, device=block_tables.device)
         self.slots = (block_tables[:, positions // block_size] * block_size + positions % block_size).reshape(-1)
+
+
+def _is_int(value) -> bool:
+    """A Python, NumPy or 0-d tensor integer (not a bool)."""
+    if isinstance(value, bool) or (isinstance(value, torch.Tensor) and value.dtype.is_floating_point):
+        return False
+    try:
+        operator.index(value)
+    except TypeError:
+        return False
+    return True
 
 
 def _config_dtype(config) -> torch.dtype:

@@ -14,7 +14,9 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from hf_kvspec.attention.paged import ATTN_NAME, PagedKV, register_paged_attention, unregister_paged_attention
 from hf_kvspec.cache import channel
-from hf_kvspec.cache.block_pool import OutOfBlocksError
+from hf_kvspec.cache.block_pool import BlockPool, OutOfBlocksError
+from hf_kvspec.cache.block_table import BlockTables
+from hf_kvspec.cache.prefix_hash import block_hashes
 from hf_kvspec.cache.paged import PagedCache
 from tests.tiny_models import tiny_config, tiny_model
 
@@ -58,6 +60,55 @@ def refs_match_tables(cache: PagedCache) -> None:
             holders[block] += 1
     assert holders == [pool.ref_count(b) for b in range(pool.num_blocks)]
     assert pool.num_free() + pool.num_used() == pool.num_blocks
+
+
+# ---- the bookkeeping under several writers (block_table.py): exact block ids --------------------------------
+def test_prepare_writes_copies_every_shared_block_a_span_touches():
+    pool = BlockPool(num_blocks=8, block_size=4)
+    tables = BlockTables(pool)
+    tables.add_rows(1)
+    assert tables.prepare_writes([(0, 10)]) == []
+    assert (tables.table(0), tables.length(0), tables.sealed(0)) == ([0, 1, 2], 10, 0)  # not sealed: no writer done
+    tables.fork(0)
+    # row 1 rewrites tokens 5, 6 (a writer cropped back into block 1): block 1 is copied, block 2 stays shared
+    assert tables.prepare_writes([(10, 10), (5, 7)]) == [(1, 3)]
+    assert tables.tables() == [[0, 1, 2], [0, 3, 2]] and [pool.ref_count(b) for b in range(4)] == [2, 1, 2, 1]
+    assert tables.prepare_writes([(10, 13), (10, 10)]) == [(2, 4)]  # past the extent: shared partial block copied
+    assert tables.tables() == [[0, 1, 4, 5], [0, 3, 2]] and tables.length(0) == 13
+    with pytest.raises(OutOfBlocksError):
+        tables.prepare_writes([(0, 13), (0, 13)])  # 2 copies of block 0 and a new tail block, 2 free: no change
+    assert tables.tables() == [[0, 1, 4, 5], [0, 3, 2]]
+    with pytest.raises(ValueError, match="start inside them"):
+        tables.prepare_writes([(14, 15), (0, 0)])
+
+
+def test_seal_hashes_only_complete_blocks_and_unseal_forgets_changed_ones():
+    pool = BlockPool(num_blocks=8, block_size=2)
+    tables = BlockTables(pool, enable_prefix_caching=True)
+    tables.add_rows(1)
+    tables.set_tokens(0, [1, 2, 3, 4, 5])
+    tables.prepare_writes([(0, 5)])
+    assert pool.num_cached() == 0
+    tables.seal(0, 3)
+    assert tables.hashes(0) == block_hashes([1, 2], 2)
+    tables.seal(0, 5)
+    assert tables.hashes(0) == block_hashes([1, 2, 3, 4], 2) and pool.num_cached() == 2
+    tables.unseal(0, 3)  # tokens 3.. will be rewritten: the row stops claiming block 1, the pool keeps it
+    assert tables.hashes(0) == block_hashes([1, 2], 2) and tables.sealed(0) == 3 and pool.num_cached() == 2
+    assert tables.prepare_writes([(3, 4)]) == [(1, 3)]  # the cached block is copied before the rewrite
+
+
+def test_prepare_moves_copies_destinations_and_reads_sources_from_the_copies():
+    pool = BlockPool(num_blocks=8, block_size=2)
+    tables = BlockTables(pool)
+    tables.add_rows(1)
+    tables.grow([6])
+    tables.fork(0)  # both rows: [0, 1, 2]
+    copies, moves, first_changed = tables.prepare_moves(1, [[1, 3], [0, 1]])  # row 0: 2 -> 1, 4 -> 2
+    assert copies == [(0, 3), (1, 4)] and tables.tables() == [[3, 4, 2], [0, 1, 2]]
+    # (src slot, dst slot): slot 8 is read by the first move and written by the second, so the tensor side
+    # gathers every source before writing any destination
+    assert moves == [(8, 7), (4, 8)] and first_changed == [1, None]
 
 
 # ---- C2/C3: per-layer lengths -----------------------------------------------------------------------------
