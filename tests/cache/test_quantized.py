@@ -217,10 +217,10 @@ def test_invalid_settings_raise_clear_errors(kwargs, match):
         QuantizedKVCache(CONFIG, **kwargs)
 
 
-def test_group_must_divide_head_dim_at_first_flush():
-    cache = QuantizedKVCache(tiny_config("llama"), bits=4, group_size=32, residual_length=0)  # D = 16
+def test_group_must_divide_head_dim_at_construction():
+    # refused when built from the config (issue: it used to fail only at the first flush, token 129)
     with pytest.raises(ValueError, match="must divide it"):
-        cache.update(torch.randn(1, 2, 32, 16), torch.randn(1, 2, 32, 16), 0)
+        QuantizedKVCache(tiny_config("llama"), bits=4, group_size=32, residual_length=0)  # D = 16
 
 
 def test_sliding_window_models_are_refused():
