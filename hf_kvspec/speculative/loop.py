@@ -31,9 +31,10 @@ from transformers.generation import GenerateDecoderOnlyOutput
 from hf_kvspec import _compat
 from hf_kvspec.speculative.buffer import TokenBuffer
 from hf_kvspec.speculative.drafters.base import Drafter, DraftProposal, RoundOutcome
+from hf_kvspec.speculative.drafters.features import FeatureCapture
 from hf_kvspec.speculative.positions import History, PositionwiseProcessor, PositionwiseStopper
 from hf_kvspec.speculative.rollback import check_cache, prepare_for_rollback
-from hf_kvspec.speculative.rounds import check_tree_attention, is_tree, plan_round
+from hf_kvspec.speculative.rounds import cap_depth, check_tree_attention, is_tree, plan_round
 from hf_kvspec.speculative.rows import ActiveRows
 from hf_kvspec.speculative.stats import AcceptanceStats
 from hf_kvspec.speculative.verify import sample_tokens
@@ -100,6 +101,12 @@ class SpeculativeDecoder:
         self.pad_token_id = _compat.generation_pad_token_id(generation_config)
         self.record_scores = bool(generation_config.return_dict_in_generate and generation_config.output_scores)
         self.record_logits = bool(generation_config.return_dict_in_generate and generation_config.output_logits)
+        # sampling with a drafter's own (lossy) acceptance rule, asked for by name: acceptance="typical"
+        self.rule = assistant.verify if self.do_sample and getattr(assistant, "acceptance", "exact") != "exact" \
+            else None
+        # target layers a feature drafter reads (hooks keep only those: features.FeatureCapture)
+        self.feature_layers = tuple(getattr(assistant, "feature_layers", (-1,))) \
+            if assistant.wants_hidden_states else None
 
     # ------------------------------------------------------------------------------------------ driver
     def run(self, input_ids: torch.Tensor, model_kwargs: dict):
@@ -126,6 +133,9 @@ class SpeculativeDecoder:
         self.logit_rows = [[] for _ in range(batch)] if self.record_logits else None
         self.streamed = input_ids.shape[1]
         self.fed = self.cache.get_seq_length() if self.cache is not None else 0  # buffer columns in the cache
+        if self.rule is not None:  # lossy rules are recorded by name in output.acceptance
+            self.stats.lossy_rules.append(getattr(self.assistant, "lossy_rule", None) or
+                                          f"{type(self.assistant).__name__} acceptance={self.assistant.acceptance!r}")
         # feature-level drafters need the prompt's hidden states before their first draft: separate prefill;
         # otherwise the prompt is verified together with the first round's drafts (one target forward saved)
         hidden = self._prefill(input_ids) if self.assistant.wants_hidden_states else None
@@ -140,11 +150,13 @@ class SpeculativeDecoder:
         return self._output()
 
     def _prefill(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Prompt forward (as generate's) and the first token; returns the prompt's hidden states [B, P, H]."""
+        """Prompt forward (as generate's) and the first token; returns the prompt's features [B, P, F] (the
+        drafter's ``feature_layers``, concatenated)."""
         past = self.fed
-        out = self.model(input_ids=input_ids[:, past:], attention_mask=self.buffer.attention_mask(1),
-                         position_ids=self.buffer.positions[:, past:], cache=self.cache, use_cache=True,
-                         logits_to_keep=1, output_hidden_states=True)
+        with FeatureCapture(self.model, self.feature_layers) as capture:
+            out = self.model(input_ids=input_ids[:, past:], attention_mask=self.buffer.attention_mask(1),
+                             position_ids=self.buffer.positions[:, past:], cache=self.cache, use_cache=True,
+                             logits_to_keep=1)
         self.cache = out.cache if self.cache is None else self.cache
         none = input_ids.new_zeros(input_ids.shape[0], 0)
         scores = self.processor(self.history, none, out.logits[:, -1:])  # [B, 1, V]
@@ -158,7 +170,7 @@ class SpeculativeDecoder:
         self.fed = self.buffer.width - 1
         self.stats.prefill_forwards += 1
         self._stream()
-        return out.hidden_states[-1]
+        return capture.features()
 
     def _pick(self, scores: torch.Tensor) -> torch.Tensor:
         # scores [B, V] -> [B], from the same distribution as generate's _sample picks a token
@@ -178,7 +190,7 @@ class SpeculativeDecoder:
         drafted = _now(plan.proposal.tokens)
         logits, hidden = self._verify_forward(plan)  # verify forward: [B, N + 1, V]; hidden [A, N + 1, H]
         scores = plan.scores(self.processor, self.history, logits)  # each node processed after its own path
-        result = plan.verify(scores, self.do_sample)  # accept
+        result = plan.verify(scores, self.do_sample, self.rule)  # accept
         verified = _now(logits)
         emitted, keep, stopped = self._commit(plan, result, scores, logits, alive)  # [B, D + 1]
 
@@ -216,22 +228,21 @@ class SpeculativeDecoder:
             self.stats.rows_dropped += self.rows.leave(self.alive, self.buffer, self.cache, self.assistant)
 
     def _draft(self) -> DraftProposal:
-        """The drafter's proposal for the active rows ``[A, N]``, capped by the tokens left to generate."""
-        room = self._room()
-        num_draft = max(0, min(self.assistant.draft_length(), room - 1))
-        if num_draft == 0:
+        """The drafter's proposal for the active rows ``[A, N]``, capped by the tokens left to generate: a path of
+        ``room - 1`` drafts plus the next token fills the room, so a chain is cut to ``room - 1`` tokens and a tree
+        to depth ``room - 1`` (it keeps its width near ``max_new_tokens``)."""
+        max_depth = max(self._room() - 1, 0)
+        num_draft = self.assistant.draft_length()
+        if not self.assistant.proposes_trees:
+            num_draft = min(num_draft, max_depth)
+        if num_draft <= 0 or max_depth == 0:
             return DraftProposal(self.buffer.tokens.new_zeros(self.buffer.tokens.shape[0], 0))
         ctx = self.rows.draft_context(self.buffer, self.history, self.processor, self.alive, num_draft,
-                                      self.do_sample)
+                                      self.do_sample, max_depth)
         proposal = self.assistant.propose(ctx)
         if is_tree(proposal):
             _check_tree_support(self.model, self.sliding)
-        cap = max(room - 1, 0)
-        if proposal.tokens.shape[1] > cap:  # a prefix of a topological node list is still a tree
-            probs, parents = proposal.probs, proposal.parents
-            proposal = DraftProposal(proposal.tokens[:, :cap], None if probs is None else probs[:, :cap],
-                                     None if parents is None else parents[..., :cap], proposal.draft_forwards)
-        return proposal
+        return cap_depth(proposal, max_depth)
 
     def _room(self) -> int:
         """Most tokens any live row may still add (max_length counts the prompt, as in generate)."""
@@ -241,15 +252,20 @@ class SpeculativeDecoder:
 
     def _verify_forward(self, plan):
         """One target forward over the columns the cache lacks and the drafts (inputs from ``plan``); returns the
-        full batch's logits [B, N + 1, V] and, for feature drafters, the active rows' last hidden states
-        [A, N + 1, H] of the root and the drafts."""
+        full batch's logits [B, N + 1, V] and, for feature drafters, the active rows' features [A, N + 1, F] of
+        the root and the drafts (captured with hooks on the layers the drafter reads, not
+        ``output_hidden_states``, which would keep every layer's output of the forward)."""
         if plan.is_tree and self.fed < self.buffer.width - 1:
             self._feed_prompt()  # a tree's 4D mask covers the root and the nodes only
         inputs = plan.forward_inputs(self.buffer, self.fed, self.rows, self.cache, self.model.dtype)
-        wants_hidden = self.assistant.wants_hidden_states
-        out = self.model(**inputs, cache=self.cache, use_cache=True, output_hidden_states=wants_hidden)
+        if self.feature_layers is None:
+            out = self.model(**inputs, cache=self.cache, use_cache=True)
+            hidden = None
+        else:
+            with FeatureCapture(self.model, self.feature_layers) as capture:
+                out = self.model(**inputs, cache=self.cache, use_cache=True)
+            hidden = capture.features()[:, -inputs["logits_to_keep"]:]
         self.cache = out.cache if self.cache is None else self.cache
-        hidden = out.hidden_states[-1][:, -inputs["logits_to_keep"]:] if wants_hidden else None
         return self.rows.expand(out.logits), hidden
 
     def _feed_prompt(self) -> None:

@@ -38,13 +38,19 @@ columns, ``W`` buffer width, ``V`` vocabulary, ``H`` hidden size.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from hf_kvspec.cache.contract import keep_positions
 from hf_kvspec.speculative.drafters.base import DraftProposal
 from hf_kvspec.speculative.positions import History, PositionwiseProcessor
-from hf_kvspec.speculative.tree import CandidateTree, keep_indices
+from hf_kvspec.speculative.tree import CandidateTree, keep_indices, tree_depth
 from hf_kvspec.speculative.verify import VerifyResult, greedy_verify, is_chain, rejection_verify
+
+#: a drafter's own acceptance rule under sampling: ``(draft_tokens [B, N], target_probs [B, N + 1, V], parents
+#: [N] | [B, N] | None, generator) -> VerifyResult`` (``MedusaAssistant.verify`` for typical acceptance)
+AcceptanceRule = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None", "torch.Generator | None"], VerifyResult]
 
 # Attention implementations that take a custom 4D mask as transformers passes it (as-is, additive float):
 # sdpa and eager get 4D masks from transformers' own mask builders; flex adds a tensor mask as a score_mod (not
@@ -67,6 +73,21 @@ def check_tree_attention(attn_implementation: str | None) -> None:
 def is_tree(proposal: DraftProposal) -> bool:
     """Whether ``proposal`` needs tree verification: per-row parents, or shared parents that are not a chain."""
     return not is_chain(proposal.parents, proposal.tokens.shape[1])
+
+
+def cap_depth(proposal: DraftProposal, max_depth: int) -> DraftProposal:
+    """``proposal`` [B, N] with no path deeper than ``max_depth`` drafts: unchanged when it fits, else its first
+    ``max_depth`` nodes (a prefix of a topological node list is a tree, at most as deep as it is long). Drafters
+    that read ``RoundContext.max_depth`` fit already; this guards the others against overshooting max_length."""
+    count = proposal.tokens.shape[1]
+    if count <= max_depth:
+        return proposal
+    parents = proposal.parents
+    if parents is not None and int(tree_depth(parents).max()) <= max_depth:
+        return proposal
+    probs = proposal.probs
+    return DraftProposal(proposal.tokens[:, :max_depth], None if probs is None else probs[:, :max_depth],
+                         None if parents is None else parents[..., :max_depth], proposal.draft_forwards)
 
 
 def plan_round(proposal: DraftProposal) -> ChainRound | TreeRound:
@@ -98,8 +119,8 @@ class ChainRound:
         # logits [B, N + 1, V] -> processed float32 scores; position t follows the first t drafts
         return processor(history, self.proposal.tokens, logits)
 
-    def verify(self, scores: torch.Tensor, do_sample: bool) -> VerifyResult:
-        return _verify(self.proposal, None, scores, do_sample)
+    def verify(self, scores: torch.Tensor, do_sample: bool, rule: AcceptanceRule | None = None) -> VerifyResult:
+        return _verify(self.proposal, None, scores, do_sample, rule)
 
     def keep(self, cache, start: int, accepted_nodes: torch.Tensor, longest: int, sliding: bool) -> None:
         """Crop the drafts past the longest kept path (``start``/``accepted_nodes`` are implied by the chain)."""
@@ -140,8 +161,8 @@ class TreeRound:
     def scores(self, processor: PositionwiseProcessor, history: History, logits: torch.Tensor) -> torch.Tensor:
         return path_scores(processor, history, self.tree, logits)
 
-    def verify(self, scores: torch.Tensor, do_sample: bool) -> VerifyResult:
-        return _verify(self.proposal, self.tree.shared_parents(), scores, do_sample)
+    def verify(self, scores: torch.Tensor, do_sample: bool, rule: AcceptanceRule | None = None) -> VerifyResult:
+        return _verify(self.proposal, self.tree.shared_parents(), scores, do_sample, rule)
 
     def keep(self, cache, start: int, accepted_nodes: torch.Tensor, longest: int, sliding: bool) -> None:
         """Keep the root and each row's accepted path (``accepted_nodes`` [A, D]) at columns ``start..``."""
@@ -155,10 +176,16 @@ class TreeRound:
         return hidden.gather(1, columns[..., None].expand(-1, -1, hidden.shape[-1]))
 
 
-def _verify(proposal: DraftProposal, parents, scores: torch.Tensor, do_sample: bool) -> VerifyResult:
+def _verify(proposal: DraftProposal, parents, scores: torch.Tensor, do_sample: bool,
+            rule: AcceptanceRule | None) -> VerifyResult:
+    """Greedy: the deepest path equal to the target's argmax (always exact). Sampling: speculative sampling
+    (exact), or a drafter's own ``rule`` (a lossy one such as Medusa's typical acceptance, asked for by name)."""
     if not do_sample:
         return greedy_verify(proposal.tokens, scores.argmax(dim=-1), parents)
-    return rejection_verify(proposal.tokens, torch.softmax(scores, dim=-1), proposal.probs, parents)
+    target_probs = torch.softmax(scores, dim=-1)  # [B, N + 1, V]
+    if rule is not None:
+        return rule(proposal.tokens, target_probs, parents, None)
+    return rejection_verify(proposal.tokens, target_probs, proposal.probs, parents)
 
 
 # ---------------------------------------------------------------------------------------------- tree tensors

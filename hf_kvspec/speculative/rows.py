@@ -18,10 +18,21 @@ Shapes: ``B`` rows of the call, ``A`` active rows, ``T`` positions, ``V`` vocabu
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from hf_kvspec.speculative.drafters.base import DraftContext, DraftProposal
 from hf_kvspec.speculative.positions import History, PositionwiseProcessor
+
+
+@dataclass
+class RoundContext(DraftContext):
+    """The loop's ``DraftContext``, plus the deepest path worth drafting this round: ``max_depth`` drafts and the
+    next token fill the tokens left to generate. Tree drafters read it to keep their width near the end
+    (``getattr(ctx, "max_depth", None)``, absent in hand-built contexts); the loop cuts deeper proposals."""
+
+    max_depth: int | None = None
 
 
 class ActiveRows:
@@ -62,11 +73,11 @@ class ActiveRows:
                              proposal.draft_forwards)
 
     def draft_context(self, buffer, history: History, processor: PositionwiseProcessor, alive: torch.Tensor,
-                      num_draft: int, do_sample: bool) -> DraftContext:
+                      num_draft: int, do_sample: bool, max_depth: int | None = None) -> RoundContext:
         """What the drafter sees: the active rows of ``history``, ``alive`` and the processors (``buffer`` is
         already active-only)."""
-        return DraftContext(buffer, self.history(history), num_draft, do_sample, self.take(alive),
-                            self.processor(processor, history))
+        return RoundContext(buffer, self.history(history), num_draft, do_sample, self.take(alive),
+                            self.processor(processor, history), max_depth)
 
     def leave(self, alive: torch.Tensor, buffer, cache, drafter) -> int:
         """Take the active rows that are no longer ``alive`` [B] out of the model-facing state (buffer, cache,

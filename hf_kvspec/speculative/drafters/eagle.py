@@ -26,6 +26,8 @@ from collections.abc import Sequence
 import torch
 from transformers import DynamicCache
 
+from hf_kvspec.speculative.autotree import AutoTreeSize, dynamic_menu, fit_tree, static_menu
+from hf_kvspec.speculative.draft_vocab import DraftVocabulary
 from hf_kvspec.speculative.drafters.base import DraftContext, Drafter, DraftProposal, RoundOutcome
 from hf_kvspec.speculative.drafters.features import ensure_attached
 from hf_kvspec.speculative.tree import grow_dynamic_tree, grow_static_tree, static_tree
@@ -37,8 +39,13 @@ class EagleAssistant(Drafter):
     ``tree="dynamic"``: EAGLE-2, per-row trees of ``total_tokens`` nodes grown ``depth`` levels deep with ``top_k``
     children per expanded node; ``"chain"``: ``depth`` tokens; a choice list: a static tree whose node
     ``(r_1, .., r_d)`` takes the drafter's rank-``r_d`` token after its parent's path. ``num_draft_tokens`` caps
-    the nodes (``None`` = the tree's size). Defaults are sized for CPU verification, where every extra verified
-    node costs (EAGLE-2's GPU defaults are 60 nodes, depth 7, top-k 10).
+    the nodes (``None`` = the tree's size; ``"auto"`` = node count and depth chosen each round from measured
+    acceptance and verify cost, ``autotree.AutoTreeSize``). Near ``max_new_tokens`` the loop caps the depth, not
+    the width. Defaults are sized for CPU verification, where every extra verified node costs (EAGLE-2's GPU
+    defaults are 60 nodes, depth 7, top-k 10).
+    ``draft_vocab_size``: the drafter scores only the most frequent target tokens (FR-Spec, ``draft_vocab.py``),
+    ranked by ``draft_vocab`` (ids tensor or file; default: the ranking shipped in the head's directory); the tree
+    is grown in draft-vocabulary columns and mapped back to target ids. Still exact (the target verifies).
 
     The drafter reads the target features of ``config.feature_layers``; the loop must pass exactly those,
     concatenated (``features.FeatureCapture``). A head that is not attached yet is attached on the first call.
@@ -49,13 +56,20 @@ class EagleAssistant(Drafter):
     proposes_trees = True  # the loop checks up front that the target's attention takes a 4D tree mask
 
     def __init__(self, drafter_head, tree: str | Sequence[Sequence[int]] = "dynamic", depth: int = 5,
-                 top_k: int = 4, total_tokens: int = 24, num_draft_tokens: int | str | None = None):
+                 top_k: int = 4, total_tokens: int = 24, num_draft_tokens: int | str | None = None,
+                 draft_vocab_size: int | None = None, draft_vocab=None):
         if min(depth, top_k, total_tokens) < 1:
             raise ValueError(f"depth, top_k and total_tokens must be >= 1, got {depth}, {top_k}, {total_tokens}.")
         self.static = None if tree == "dynamic" else static_tree(tree, depth)
         size = total_tokens if self.static is None else self.static.num_nodes
         super().__init__(size if num_draft_tokens is None else num_draft_tokens, max_draft_tokens=size)
+        if num_draft_tokens == "auto":
+            self.auto = AutoTreeSize(dynamic_menu(depth, total_tokens, top_k) if self.static is None
+                                     else static_menu(self.static))
         self.head = drafter_head.eval()
+        self.vocab = None if draft_vocab_size is None else DraftVocabulary.for_head(drafter_head, draft_vocab_size,
+                                                                                    draft_vocab)
+        self._fitted: dict[tuple, object] = {}
         self.feature_layers = tuple(drafter_head.config.feature_layers)
         self.depth, self.top_k, self.total_tokens = depth, top_k, total_tokens
         self.cache = None
@@ -103,19 +117,28 @@ class EagleAssistant(Drafter):
     def propose(self, ctx: DraftContext) -> DraftProposal:
         buffer, count = ctx.buffer, ctx.num_draft_tokens
         root_hidden = self._catch_up(buffer)  # [B, H]
-        root_logprobs = self._logprobs(root_hidden[:, None])[:, 0]  # [B, V]
+        root_logprobs = self._logprobs(root_hidden[:, None])[:, 0]  # [B, V] (V': draft vocabulary columns)
         expand = _TreeRows(self, root_hidden, buffer)
+        max_depth = getattr(ctx, "max_depth", None) or count  # the loop's cap near max_new_tokens
         if self.static is None:
-            tree = grow_dynamic_tree(root_logprobs, expand, min(self.depth, count), self.top_k,
+            depth = self.auto.shape.depth if isinstance(self.auto, AutoTreeSize) else self.depth
+            tree = grow_dynamic_tree(root_logprobs, expand, max(1, min(depth, count, max_depth)), self.top_k,
                                      min(self.total_tokens, count))
             parents = tree.parents  # [B, N] per row
         else:
-            static = self.static.truncate(count)
+            key = (count, max_depth)
+            if key not in self._fitted:
+                self._fitted[key] = fit_tree(self.static, count, max_depth)
+            static = self._fitted[key]
             tree, parents = grow_static_tree(root_logprobs, expand, static), static.parents.to(root_hidden.device)
         tree_rows = self.cache.get_seq_length() - self.cached
         if tree_rows:
             self.cache.crop(-tree_rows)  # roll back the tree rows
-        return DraftProposal(tree.tokens, None, parents, draft_forwards=1 + expand.calls)
+        return DraftProposal(self.target_ids(tree.tokens), None, parents, draft_forwards=1 + expand.calls)
+
+    def target_ids(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary columns -> target token ids (identity without a draft vocabulary)."""
+        return tokens if self.vocab is None else self.vocab.to_target(tokens)
 
     def _catch_up(self, buffer) -> torch.Tensor:
         """Feed buffer columns ``cached .. width - 2`` with their target features -> ``[B, H]`` the output at each
@@ -135,8 +158,12 @@ class EagleAssistant(Drafter):
         return self.root_hidden
 
     def _logprobs(self, draft_hidden: torch.Tensor) -> torch.Tensor:
-        # [B, m, H] -> [B, m, V] float32 log-probabilities of the next token
-        return torch.log_softmax(self.head.logits(draft_hidden).float(), dim=-1)
+        # [B, m, H] -> [B, m, V] float32 log-probabilities of the next token ([B, m, V'] over the draft vocabulary)
+        if self.vocab is None:
+            logits = self.head.logits(draft_hidden)
+        else:
+            logits = self.vocab.logits(self.head.norm(draft_hidden), self.head.borrowed().lm_head.weight)
+        return torch.log_softmax(logits.float(), dim=-1)
 
 
 class _TreeRows:
@@ -162,7 +189,7 @@ class _TreeRows:
         allowed = torch.cat([self.prefix[:, None].expand(-1, count, -1), self.visible], dim=2)[:, None]
         head = self.assistant.head
         positions = (self.root_position + self.calls).expand(batch, count)  # depth d sits at root + d - 1
-        out = head(tokens, draft_hidden=parent_hidden, position_ids=positions,
+        out = head(self.assistant.target_ids(tokens), draft_hidden=parent_hidden, position_ids=positions,
                    attention_mask=_additive(allowed, head.dtype), cache=self.assistant.cache, return_logits=False)
         self.hidden = out.hidden_states
         self.calls += 1

@@ -20,7 +20,9 @@ import torch
 
 from hf_kvspec.speculative.drafters.base import DraftContext, Drafter, DraftProposal, RoundOutcome
 from hf_kvspec.speculative.drafters.features import ensure_attached
-from hf_kvspec.speculative.tree import CandidateTree, static_tree
+from hf_kvspec.speculative.autotree import AutoTreeSize, fit_tree, static_menu
+from hf_kvspec.speculative.draft_vocab import DraftVocabulary
+from hf_kvspec.speculative.tree import CandidateTree, StaticTree, static_tree
 from hf_kvspec.speculative.verify import VerifyResult, deepest_path, sample_tokens
 
 ACCEPTANCE_RULES = ("exact", "typical")
@@ -31,7 +33,11 @@ class MedusaAssistant(Drafter):
 
     ``tree``: ``"default"`` (26 nodes), ``"small"`` (10), ``"chain"`` (one node per head) or a choice list
     (``[(0,), (1,), (0, 0), ...]``, see ``hf_kvspec.speculative.tree``). ``num_draft_tokens`` caps the nodes
-    (the tree's first nodes, which form a tree); ``None`` = the whole tree.
+    (the tree's first nodes, which form a tree); ``None`` = the whole tree; ``"auto"`` = a truncation chosen each
+    round from measured acceptance and verify cost (``autotree.AutoTreeSize``). Near ``max_new_tokens`` the loop
+    caps the depth, not the width.
+    ``draft_vocab_size``: score only the most frequent target tokens (FR-Spec, ``draft_vocab.py``), ranked by
+    ``draft_vocab`` (ids tensor or file; default: the ranking shipped in the heads' directory). Still exact.
     ``acceptance="typical"`` asks the loop for Medusa's typical acceptance under sampling: faster, **lossy**
     (the output no longer follows the target's distribution), flagged by ``lossy``. Heads that are not attached
     yet are attached to the target on the first call (pairing checked).
@@ -44,7 +50,7 @@ class MedusaAssistant(Drafter):
 
     def __init__(self, heads, tree: str | Sequence[Sequence[int]] = "default", acceptance: str = "exact",
                  num_draft_tokens: int | str | None = None, posterior_threshold: float = 0.09,
-                 posterior_alpha: float = 0.3):
+                 posterior_alpha: float = 0.3, draft_vocab_size: int | None = None, draft_vocab=None):
         self.tree = static_tree(tree, heads.config.num_heads)
         if self.tree.max_depth > heads.config.num_heads:
             raise ValueError(f"the tree is {self.tree.max_depth} deep but the Medusa heads have "
@@ -53,13 +59,18 @@ class MedusaAssistant(Drafter):
             raise ValueError(f"acceptance must be one of {ACCEPTANCE_RULES}, got {acceptance!r}.")
         super().__init__(self.tree.num_nodes if num_draft_tokens is None else num_draft_tokens,
                          max_draft_tokens=self.tree.num_nodes)
+        if num_draft_tokens == "auto":
+            self.auto = AutoTreeSize(static_menu(self.tree))
         self.heads = heads.eval()
+        self.vocab = None if draft_vocab_size is None else DraftVocabulary.for_head(heads, draft_vocab_size,
+                                                                                    draft_vocab)
         self.acceptance = acceptance
         self.lossy = acceptance == "typical"
         #: the name the loop records in ``AcceptanceStats.lossy_rules`` when it applies ``verify`` (None: exact)
         self.lossy_rule = "medusa typical acceptance (2401.10774)" if self.lossy else None
         self.posterior_threshold, self.posterior_alpha = posterior_threshold, posterior_alpha
         self.feature = None  # [B, H] target hidden state that produced each row's newest token
+        self._fitted: dict[tuple, StaticTree] = {}
 
     def begin(self, target, buffer, target_hidden=None) -> None:
         super().begin(target, buffer, target_hidden)
@@ -79,12 +90,24 @@ class MedusaAssistant(Drafter):
         hidden = feature.to(self.heads.dtype)[:, None]  # [B, 1, H]
         ranked = []
         for k in range(depth):
-            logits = torch.einsum("bth,vh->btv", self.heads.heads[k](hidden), self.heads.projection_weight(k))
-            ranked.append(logits[:, 0].topk(width, dim=-1).indices)  # [B, R]
+            head_hidden, weight = self.heads.heads[k](hidden), self.heads.projection_weight(k)
+            if self.vocab is None:
+                logits = torch.einsum("bth,vh->btv", head_hidden, weight)  # [B, 1, V]
+                ranked.append(logits[:, 0].topk(width, dim=-1).indices)  # [B, R]
+            else:  # [B, 1, V'] over the draft vocabulary, mapped back to target ids
+                ranked.append(self.vocab.to_target(self.vocab.logits(head_hidden, weight)[:, 0].topk(width).indices))
         return torch.stack(ranked, dim=1)
 
+    def _round_tree(self, ctx: DraftContext) -> StaticTree:
+        """This round's tree: the auto size's (or ``num_draft_tokens``) first nodes, at most ``ctx.max_depth``
+        deep (the loop's depth cap near ``max_new_tokens``), cached per (size, depth)."""
+        key = (ctx.num_draft_tokens, getattr(ctx, "max_depth", None))
+        if key not in self._fitted:
+            self._fitted[key] = fit_tree(self.tree, *key)
+        return self._fitted[key]
+
     def propose(self, ctx: DraftContext) -> DraftProposal:
-        tree = self.tree.truncate(ctx.num_draft_tokens)
+        tree = self._round_tree(ctx)
         candidates = tree.candidates(self.ranked(self.feature, tree.max_depth, tree.max_rank))
         return DraftProposal(candidates.tokens, None, tree.parents.to(candidates.tokens.device), draft_forwards=1)
 
@@ -92,7 +115,9 @@ class MedusaAssistant(Drafter):
         super().observe(outcome)
         hidden = outcome.target_hidden  # [B, 1 + K, H], column j = the j-th kept column (root first)
         rows = torch.arange(hidden.shape[0], device=hidden.device)
-        self.feature = hidden[rows, outcome.num_accepted.to(hidden.device)]
+        # rows that had finished (still in the batch when rows cannot leave it) carry stale counts: any column will do
+        accepted = torch.where(outcome.alive, outcome.num_accepted, 0).clamp_max(hidden.shape[1] - 1)
+        self.feature = hidden[rows, accepted.to(hidden.device)]
 
     def select_rows(self, index: torch.Tensor) -> None:
         if self.feature is not None:
