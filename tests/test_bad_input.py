@@ -7,6 +7,8 @@ Each case states the input a user might pass and a fragment of the message that 
 from __future__ import annotations
 
 import re
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -184,10 +186,42 @@ def _metric(name, *args, **kwargs):
     return hf_kvspec.load_metric(name, *args, keep_in_memory=True, **kwargs)
 
 
+def _token_statistics(labels):
+    from hf_kvspec.metrics import token_statistics
+
+    logits = torch.zeros(1, 3, 10)
+    return token_statistics(logits, logits, labels)
+
+
 def _card(config, **fields):
     from hf_kvspec import hub
 
     return hub.render_model_card(config, hub.CardFields(**fields))
+
+
+def _evaluate_head(depth):
+    from hf_kvspec.heads.distill import Conversation
+    from hf_kvspec.heads.evaluation import evaluate_head
+
+    return evaluate_head(_medusa().attach(_model()), _model(), [Conversation([5, 6], [7, 8, 9])], depth=depth)
+
+
+def _self_distill(prompts):
+    from hf_kvspec.heads.distill import self_distill
+
+    return self_distill(_model(), None, prompts, Path(tempfile.gettempdir(), "never_written.jsonl"), "fingerprint")
+
+
+def _distill_settings(**kwargs):
+    from hf_kvspec.heads.distill import DistillSettings
+
+    return DistillSettings(**kwargs)
+
+
+def _objective(**kwargs):
+    from hf_kvspec.heads.objectives import TrainingObjective, TrainingVocabulary
+
+    return TrainingObjective(_medusa(), TrainingVocabulary(_model().config.vocab_size), **kwargs)
 
 
 BAD_INPUTS_AUDIT = [
@@ -245,12 +279,37 @@ BAD_INPUTS_AUDIT = [
      lambda: _card(_medusa_config(), held_out={"tau": 2.0}), ValueError, "per_head_top1"),
     ("MedusaHeads.push_to_hub(repo, tau=2.0)", lambda: _medusa().push_to_hub("user/heads", tau=2.0), TypeError,
      "held_out="),
+    ("evaluate_head(medusa with 2 heads, ..., depth=3)", lambda: _evaluate_head(depth=3), ValueError,
+     "depth=3"),
+    ("evaluate_head(..., depth=0)", lambda: _evaluate_head(depth=0), ValueError, "depth=0"),
+    ("self_distill(model, tokenizer, 'one prompt', ...)", lambda: _self_distill("Explain recursion."), TypeError,
+     "list of prompts"),
+    ("DistillSettings(batch_size=0)", lambda: _distill_settings(batch_size=0), ValueError, "batch_size=0"),
+    ("DistillSettings(max_new_tokens=0)", lambda: _distill_settings(max_new_tokens=0), ValueError,
+     "max_new_tokens=0"),
+    ("DistillSettings(do_sample=True, temperature=0)", lambda: _distill_settings(do_sample=True, temperature=0.0),
+     ValueError, "do_sample=False"),
+    ("TrainingObjective(head, vocab, label_source='text')", lambda: _objective(label_source="text"), ValueError,
+     "'target' or 'data'"),
+    ("TrainingObjective(medusa, vocab, unroll_steps=3)", lambda: _objective(unroll_steps=3), ValueError,
+     "EAGLE"),
     # metrics
     ("load_metric('cache_fidelity', 'tree')", lambda: _metric("cache_fidelity", "tree"), ValueError,
      "one configuration"),
     ("draft_acceptance (chain).compute(..., tree=[[0], [1]])",
      lambda: _metric("draft_acceptance").compute(predictions=[[[1, 2]]], references=[[1, 2]], tree=[[0], [1]]),
      ValueError, "load_metric('draft_acceptance', 'tree')"),
+    ("draft_acceptance ('tree').compute(..., tree=[[-1]])",
+     lambda: _metric("draft_acceptance", "tree").compute(predictions=[[[[1], [2]]]], references=[[1, 2]],
+                                                          tree=[[-1]]), ValueError, "ranks >= 0"),
+    ("draft_acceptance.compute(predictions=[], references=[])",
+     lambda: _metric("draft_acceptance").compute(predictions=[], references=[]), ValueError, "no responses"),
+    ("token_statistics(logits, reference, labels=[[1, 2, 50]]) with V=10",
+     lambda: _token_statistics(torch.tensor([[1, 2, 50]])), ValueError, "0..9"),
+    ("token_statistics(..., labels float)", lambda: _token_statistics(torch.tensor([[1.0, 2.0, 3.0]])), TypeError,
+     "integer"),
+    ("token_statistics(lists)", lambda: hf_kvspec.metrics.token_statistics([[0.1]], [[0.1]], [[0]]), TypeError,
+     "tensors"),
     # decode kernels
     ("decode_kernels(None)", lambda: hf_kvspec.decode_kernels(None), TypeError,
      "decode_kernels needs loaded models (torch.nn.Module)"),

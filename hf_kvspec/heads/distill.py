@@ -27,6 +27,15 @@ class DistillSettings:
     temperature: float = 1.0
     seed: int = 0
 
+    def __post_init__(self):
+        for name in ("max_new_tokens", "batch_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"DistillSettings needs a positive int {name}, got {name}={value!r}.")
+        if self.do_sample and not self.temperature > 0:
+            raise ValueError(f"DistillSettings(do_sample=True) needs temperature > 0, got {self.temperature!r}; for "
+                             "greedy answers use do_sample=False.")
+
 
 @dataclass(frozen=True)
 class Conversation:
@@ -95,6 +104,9 @@ def _eos_ids(model) -> list[int]:
 def self_distill(model, tokenizer, prompts: list[str], cache_file: str | Path, fingerprint: str,
                  settings: DistillSettings = DistillSettings(), progress: bool = True) -> list[Conversation]:
     """The target's responses to ``prompts`` (generated once, then read from ``cache_file`` JSONL)."""
+    if isinstance(prompts, str):
+        raise TypeError("self_distill takes a list of prompts, got one string (it would be read character by "
+                        "character); wrap it: [prompt].")
     cache_file = Path(cache_file)
     cache = _load_cache(cache_file)
     prompt_ids = [chat_prompt_ids(tokenizer, p) for p in prompts]

@@ -49,14 +49,27 @@ def evaluate_head(head, target, conversations: list[Conversation], depth: int | 
     than 2 tokens carry no draft and are skipped."""
     from hf_kvspec.metrics import load_metric
 
+    depth = _checked_depth(head, depth)
     scored = [conv for conv in conversations if len(conv.response_ids) >= 2]
     if not scored:
         raise ValueError(f"None of the {len(conversations)} conversations has a response of 2 or more tokens, so no "
                          "draft can be scored: give prompts with longer answers (or a larger max_new_tokens).")
     metric = metric if metric is not None else load_metric("draft_acceptance", keep_in_memory=True)
     for conv in scored:
-        metric.add(**response_drafts(head, target, conv, depth or getattr(head.config, "num_heads", 4)))
+        metric.add(**response_drafts(head, target, conv, depth))
     return metric.compute()
+
+
+def _checked_depth(head, depth: int | None) -> int:
+    """``depth`` or the head's own (Medusa: its heads; EAGLE: 4 unrolled steps), refused when no draft exists there."""
+    heads = getattr(head.config, "num_heads", None)  # None: EAGLE unrolls to any depth
+    if depth is None:
+        return heads or 4
+    if not isinstance(depth, int) or isinstance(depth, bool) or depth < 1 or (heads and depth > heads):
+        most = f" (this head has {heads} heads)" if heads else ""
+        raise ValueError(f"evaluate_head: depth={depth!r} must be an int in 1..{heads or 'any'}{most}; leave it None "
+                         "for the head's own depth.")
+    return depth
 
 
 def response_drafts(head, target, conv: Conversation, depth: int) -> dict:

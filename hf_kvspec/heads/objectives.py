@@ -160,6 +160,13 @@ class TrainingObjective(torch.nn.Module):
     def __init__(self, head, vocab: TrainingVocabulary, label_source: str = "target", unroll_steps: int = 1,
                  feature_loss_weight: float = 1.0, decay: float = 1.0):
         super().__init__()
+        if label_source not in ("target", "data"):
+            raise ValueError(f"label_source must be 'target' or 'data', got {label_source!r}.")
+        if not isinstance(unroll_steps, int) or isinstance(unroll_steps, bool) or unroll_steps < 1:
+            raise ValueError(f"unroll_steps must be a positive int, got {unroll_steps!r}.")
+        if hasattr(head, "heads") and unroll_steps != 1:
+            raise ValueError(f"unroll_steps={unroll_steps} is an EAGLE setting (training-time test); Medusa heads "
+                             "train on one step, so leave unroll_steps=1.")
         self.head = head
         self.vocab, self.label_source = vocab, label_source
         self.unroll_steps, self.feature_loss_weight, self.decay = unroll_steps, feature_loss_weight, decay

@@ -99,6 +99,7 @@ def token_statistics(logits: torch.Tensor, reference_logits: torch.Tensor, label
     logits [B, T, V] through the lossy cache; reference_logits [B, T, V] at full precision; labels [B, T] the token
     each position predicts (already shifted; ``IGNORE_INDEX`` skips a position). Returns lists of the scored tokens.
     """
+    _check_label_ids(logits, reference_logits, labels)
     if logits.shape != reference_logits.shape or logits.shape[:-1] != labels.shape:
         raise ValueError(f"logits {tuple(logits.shape)}, reference_logits {tuple(reference_logits.shape)} and labels "
                          f"{tuple(labels.shape)} must cover the same [B, T] positions (labels shifted to match).")
@@ -111,3 +112,16 @@ def token_statistics(logits: torch.Tensor, reference_logits: torch.Tensor, label
     return {"logprob": log_probs.gather(-1, targets)[:, 0].tolist(),
             "reference_logprob": reference.gather(-1, targets)[:, 0].tolist(), "kl": kl.tolist(),
             "top1_match": (log_probs.argmax(-1) == reference.argmax(-1)).tolist()}
+
+
+def _check_label_ids(logits, reference_logits, labels) -> None:
+    """Refuse what ``gather`` would fail on deep inside: non-tensors, float labels, ids outside the vocabulary."""
+    if not all(isinstance(x, torch.Tensor) for x in (logits, reference_logits, labels)):
+        raise TypeError("token_statistics takes tensors: logits [B, T, V], reference_logits [B, T, V], labels [B, T].")
+    if labels.dtype.is_floating_point or labels.dtype == torch.bool:
+        raise TypeError(f"labels must be integer token ids, got dtype {labels.dtype}.")
+    scored = labels[labels != IGNORE_INDEX]
+    vocab = logits.shape[-1]
+    if scored.numel() and (scored.min() < 0 or scored.max() >= vocab):
+        raise ValueError(f"labels must be token ids in 0..{vocab - 1} (or {IGNORE_INDEX} to skip a position), got "
+                         f"values in {int(scored.min())}..{int(scored.max())}.")

@@ -97,6 +97,8 @@ class DraftAcceptance(evaluate.Metric):
 # -------------------------------------------------------------------------------------------------- pure functions
 def acceptance(candidates: list, references: list, tree: list | None = None, with_tree: bool = False) -> dict:
     """The metric's result; candidates[i][k][t] is a ranked list of guesses (see the module docstring)."""
+    if not candidates:
+        raise ValueError("draft_acceptance got no responses: add(predictions=..., references=...) before compute().")
     depth = _common_depth(candidates)
     paths = _tree_paths(tree, depth)
     hits, topk_hits, counts = [0] * depth, [0] * depth, [0] * depth
@@ -165,6 +167,9 @@ def _tree_paths(tree: list | None, depth: int) -> set[tuple[int, ...]]:
     if tree is None:
         return {(0,) * d for d in range(1, depth + 1)}
     paths = {tuple(path) for path in tree}
+    if any(not path or min(path) < 0 for path in paths):
+        raise ValueError(f"tree paths are non-empty lists of candidate ranks >= 0 (0 = best guess), e.g. [[0], [1], "
+                         f"[0, 0]]; got {sorted(p for p in paths if not p or min(p) < 0)[:3]}.")
     orphans = [p for p in paths if len(p) > 1 and p[:-1] not in paths]
     if orphans:
         raise ValueError(f"tree paths {sorted(orphans)[:3]} lack their parent path; list every prefix of a path.")
