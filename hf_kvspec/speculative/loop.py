@@ -123,6 +123,8 @@ class SpeculativeDecoder:
         self.alive = torch.ones(batch, dtype=torch.bool, device=input_ids.device)
         self.rows = ActiveRows(batch, input_ids.device)
         self.compact_rows = batch > 1 and _may_drop_rows(self.cache, self.assistant)
+        if self.cache is None and self.assistant.shares_target_cache:  # a self-drafter writes into it from round 1
+            self.cache = DynamicCache(config=self.model.config)
         if self.assistant.proposes_trees:
             _check_tree_support(self.model, self.sliding)
         self.buffer = TokenBuffer(input_ids, model_kwargs.get("attention_mask"), self.pad_token_id)
@@ -238,7 +240,8 @@ class SpeculativeDecoder:
         if num_draft <= 0 or max_depth == 0:
             return DraftProposal(self.buffer.tokens.new_zeros(self.buffer.tokens.shape[0], 0))
         ctx = self.rows.draft_context(self.buffer, self.history, self.processor, self.alive, num_draft,
-                                      self.do_sample, max_depth)
+                                      self.do_sample, max_depth,
+                                      self.cache if self.assistant.shares_target_cache else None)
         proposal = self.assistant.propose(ctx)
         if is_tree(proposal):
             _check_tree_support(self.model, self.sliding)
@@ -258,6 +261,9 @@ class SpeculativeDecoder:
         if plan.is_tree and self.fed < self.buffer.width - 1:
             self._feed_prompt()  # a tree's 4D mask covers the root and the nodes only
         inputs = plan.forward_inputs(self.buffer, self.fed, self.rows, self.cache, self.model.dtype)
+        if self.assistant.verify_forward is not None:  # a self-drafter runs the target's layers itself
+            logits, hidden = self.assistant.verify_forward(self.model, inputs, self.cache, self.feature_layers)
+            return self.rows.expand(logits), hidden
         if self.feature_layers is None:
             out = self.model(**inputs, cache=self.cache, use_cache=True)
             hidden = None

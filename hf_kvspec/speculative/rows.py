@@ -73,11 +73,12 @@ class ActiveRows:
                              proposal.draft_forwards)
 
     def draft_context(self, buffer, history: History, processor: PositionwiseProcessor, alive: torch.Tensor,
-                      num_draft: int, do_sample: bool, max_depth: int | None = None) -> RoundContext:
-        """What the drafter sees: the active rows of ``history``, ``alive`` and the processors (``buffer`` is
-        already active-only)."""
+                      num_draft: int, do_sample: bool, max_depth: int | None = None,
+                      target_cache=None) -> RoundContext:
+        """What the drafter sees: the active rows of ``history``, ``alive`` and the processors (``buffer`` and
+        ``target_cache``, passed to self-drafters only, are already active-only)."""
         return RoundContext(buffer, self.history(history), num_draft, do_sample, self.take(alive),
-                            self.processor(processor, history), max_depth)
+                            self.processor(processor, history), target_cache=target_cache, max_depth=max_depth)
 
     def leave(self, alive: torch.Tensor, buffer, cache, drafter) -> int:
         """Take the active rows that are no longer ``alive`` [B] out of the model-facing state (buffer, cache,

@@ -2,7 +2,7 @@
 
 Boundary: data classes exchanged between the loop and a drafter, plus the ``Drafter`` base class. A drafter
 owns its own state (a draft model's cache, an n-gram index, a head's features) and rolls it back itself; it
-never touches the target's cache.
+never touches the target's cache, except a self-drafter (``shares_target_cache``, below).
 
 One round, seen from a drafter:
     1. ``propose(ctx)``: return ``DraftProposal`` with N draft tokens per row. A chain leaves ``parents=None``;
@@ -16,6 +16,18 @@ One round, seen from a drafter:
        ``wants_hidden_states``, the target's last hidden states of the round (for feature-level drafters).
     3. When rows of the batch have finished and the drafter set ``can_drop_rows``, ``select_rows(index)`` says
        which rows remain; later contexts and outcomes hold only those rows (see ``rows.py``).
+
+Self-speculation (the target drafts for itself: early exit, layer skipping, a sparse KV view): a drafter that sets
+``shares_target_cache`` gets the target's own cache as ``ctx.target_cache`` (the loop creates a ``DynamicCache``
+before the first round when ``generate`` passed none). It may write draft positions there, layer by layer (per-layer
+lengths, cache contract C2/C3), but when ``propose`` returns, every layer must hold either the verified columns
+only (the cache as the loop left it: the drafter cropped what it wrote, ``contract.crop_layers``) or, when the
+drafter also implements ``verify_forward``, whatever that hook expects to find. ``verify_forward(model, inputs,
+cache, feature_layers)`` replaces the loop's ``model(**inputs, cache=cache)`` for the round's verify forward: it
+gets the same kwargs (``input_ids`` [A, T], ``attention_mask`` 2D or None, ``position_ids`` [A, T],
+``logits_to_keep``) and returns ``(logits [A, logits_to_keep, V], features [A, logits_to_keep, F] | None)``,
+features only when ``feature_layers`` is not None; afterwards every layer of the cache must hold the columns
+``model(**inputs)`` would have left there, so the loop's roll back (crop / keep_positions) applies unchanged.
 
 Shapes: ``B`` rows, ``W`` buffer width, ``N`` draft tokens (nodes), ``V`` vocabulary, ``H`` hidden size.
 """
@@ -46,6 +58,10 @@ class DraftContext:
     do_sample: bool
     alive: torch.Tensor  # [B] bool rows still generating
     processor: PositionwiseProcessor  # generate's logits processors, position by position
+    # the target's own cache, for a drafter with ``shares_target_cache`` (None for every other drafter); between
+    # rounds each layer holds the buffer's first W - 1 columns, or fewer in a first round that has not fed the
+    # prompt yet (then ``contract.seq_lengths`` says how many)
+    target_cache: object | None = None
 
     def process(self, logits: torch.Tensor, drafted: torch.Tensor, start: int = 0) -> torch.Tensor:
         """Processed float32 scores [B, T, V] of draft ``logits`` [B, T, V]: position t follows each row's
@@ -96,6 +112,11 @@ class Drafter(abc.ABC):
     #: ``propose`` may return trees: the loop checks at the start of the call that the target's attention takes a
     #: custom 4D mask (a tree proposed without this flag is checked when it arrives)
     proposes_trees: bool = False
+    #: self-speculation: the loop passes the target's cache as ``DraftContext.target_cache`` (module docstring)
+    shares_target_cache: bool = False
+    #: optional hook ``verify_forward(model, inputs, cache, feature_layers) -> (logits, features | None)`` that runs
+    #: the round's verify forward instead of the loop (module docstring); None = the loop calls the model
+    verify_forward = None
 
     def __init__(self, num_draft_tokens: int | str = 4, max_draft_tokens: int = 16):
         if num_draft_tokens != "auto" and not is_count(num_draft_tokens, minimum=0):
