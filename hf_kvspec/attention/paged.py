@@ -148,13 +148,8 @@ def paged_attention_forward(
 
 
 def _handed_over(kwargs: dict) -> PagedKV | None:
-    """The ``PagedKV`` a paged cache handed over through the channel, if any.
-
-    Transition: caches that still write the old kwarg ``paged_kv`` are read too (``channel.KWARG`` first).
-    """
+    """The ``PagedKV`` a paged cache handed over through the channel (``channel.KWARG``), if any."""
     stored = channel.received(kwargs)
-    legacy = kwargs.pop("paged_kv", None)
-    stored = stored if stored is not None else legacy
     if stored is not None and not isinstance(stored, PagedKV):
         raise TypeError(f"{ATTN_NAME} reads PagedKV, but the cache handed over {type(stored).__name__}; use the "
                         "attention implementation that reads it (e.g. kvspec_quant for QuantizedKV).")

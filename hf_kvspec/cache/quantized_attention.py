@@ -131,13 +131,8 @@ def quantized_attention_forward(
 
 
 def _handed_over(kwargs: dict) -> QuantizedKV | None:
-    """The ``QuantizedKV`` a quantized layer handed over through the channel, if any.
-
-    Transition: layers that still write the old kwarg ``quantized_kv`` are read too (``channel.KWARG`` first).
-    """
+    """The ``QuantizedKV`` a quantized layer handed over through the channel (``channel.KWARG``), if any."""
     stored = channel.received(kwargs)
-    legacy = kwargs.pop("quantized_kv", None)
-    stored = stored if stored is not None else legacy
     if stored is not None and not isinstance(stored, QuantizedKV):
         raise TypeError(f"{ATTN_NAME} reads QuantizedKV, but the cache handed over {type(stored).__name__}; use "
                         "the attention implementation that reads it (e.g. kvspec_paged for PagedKV).")

