@@ -113,13 +113,15 @@ def test_blocks_compile_and_define_every_name(name):
 
 
 @pytest.mark.parametrize("name", _FAST or [pytest.param(None, marks=pytest.mark.skip("every page loads the bundled model: see the slow part"))])
-def test_blocks_without_a_model_run(name):
+def test_blocks_without_a_model_run(name, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # snippets that write files (relative paths) write them here, not into the checkout
     run_file(_FILES[name])
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", _SLOW)
-def test_blocks_with_the_bundled_model_run(name, bundled):  # ``bundled``: converted once, before the clock
+def test_blocks_with_the_bundled_model_run(name, bundled, tmp_path, monkeypatch):  # ``bundled``: converted once
+    monkeypatch.chdir(tmp_path)  # snippets that write files (relative paths) write them here, not into the checkout
     run_file(_FILES[name])
 
 
