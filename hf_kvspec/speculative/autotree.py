@@ -12,19 +12,21 @@ per second; shape ``(0, 0)`` is a plain decoding step (one token, ``t_verify(0)`
 so it falls back to plain decoding when no tree pays, and re-probes the smallest tree every ``probe_every`` rounds.
 
 Estimates (exponentially decayed, so they follow the text):
-    a_j(shape)   accepted / offered at depth j for that shape, with a Beta(1, 1) prior; a depth a shape has not
-                 been measured at borrows the nearest measured shape's rate there (the next smaller one first),
-                 and depths nobody reached repeat the deepest rate measured (optimistic: it gets tried, then measured).
-    t_verify(N)  the mean seconds of the rounds that verified N nodes, linearly interpolated between measured N;
-                 outside them a line through the two nearest (one measured N: ``prior_slope_ratio`` per node, as
-                 ``autok``). Verify cost is not linear on a CPU (it steps when the matmuls change kernels), so
-                 every N keeps its own mean.
+    a_j(shape)   accepted / offered at depth j for that shape, with a Beta(1, 1) prior, plus an optimism bonus
+                 ``explore / sqrt(offered + 2)`` (UCB: a shape that was unlucky once is tried again); at a depth a shape has not
+                 been measured at, interpolated (linear in log nodes) between the measured shapes around it, or the
+                 nearest one outside them; depths nobody reached repeat the deepest rate measured (optimistic: the
+                 shape gets tried, then measured).
+    t_verify(N)  the mean seconds of the rounds that verified N nodes; an unmeasured N is assumed to cost what the
+                 next smaller measured N does (optimistic, so it is tried once; below every measured N,
+                 ``prior_slope_ratio`` per node, as ``autok``). Verify cost is not linear on a CPU (it steps when
+                 the matmuls change kernels), so every N keeps its own mean instead of a fitted line.
     t_draft      seconds per draft level (one draft forward per tree level), from every round that drafted.
 """
 
 from __future__ import annotations
 
-import bisect
+import math
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -90,8 +92,10 @@ class _Rate:
     def measured(self, depth: int) -> bool:
         return depth <= len(self.offered) and self.offered[depth - 1] > 0
 
-    def rate(self, depth: int) -> float:
-        return (self.accepted[depth - 1] + 1) / (self.offered[depth - 1] + 2)  # Beta(1, 1) prior
+    def rate(self, depth: int, explore: float) -> float:
+        offered = self.offered[depth - 1] + 2
+        mean = (self.accepted[depth - 1] + 1) / offered  # Beta(1, 1) prior
+        return min(1.0, mean + explore / math.sqrt(offered))  # optimism that fades with evidence (UCB)
 
 
 class AutoTreeSize:
@@ -102,10 +106,11 @@ class AutoTreeSize:
     first (default: the largest)."""
 
     def __init__(self, menu: Sequence[Shape], initial: Shape | None = None, probe_every: int = 16,
-                 decay: float = 0.95, prior_slope_ratio: float = 0.15):
+                 decay: float = 0.95, prior_slope_ratio: float = 0.15, explore: float = 0.3):
         self.menu = sorted(set(menu) | {PLAIN})
         self.initial = initial if initial is not None else self.menu[-1]
         self.probe_every, self.decay, self.prior_slope_ratio = probe_every, decay, prior_slope_ratio
+        self.explore = explore
         self.reset()
 
     def reset(self) -> None:
@@ -120,15 +125,21 @@ class AutoTreeSize:
         """Estimated chance that a row keeping depth ``depth - 1`` keeps depth ``depth`` with ``shape``."""
         own = self.rates.get(shape)
         if own is not None and own.measured(depth):
-            return own.rate(depth)
-        measured = [s for s in self.rates if s != PLAIN and self.rates[s].measured(depth)]
-        if measured:  # nearest by node count, smaller first (conservative for an unmeasured wider tree)
-            nearest = min(measured, key=lambda s: (abs(s.nodes - shape.nodes), s.nodes > shape.nodes))
-            return self.rates[nearest].rate(depth)
+            return own.rate(depth, self.explore)
+        measured = sorted(s for s in self.rates if s != PLAIN and self.rates[s].measured(depth))
+        below = [s for s in measured if s.nodes < shape.nodes]
+        above = [s for s in measured if s.nodes > shape.nodes]
+        if below and above:  # between two measured sizes: linear in log(nodes)
+            lo, hi = below[-1], above[0]
+            share = (math.log(shape.nodes) - math.log(lo.nodes)) / (math.log(hi.nodes) - math.log(lo.nodes))
+            low, high = self.rates[lo].rate(depth, self.explore), self.rates[hi].rate(depth, self.explore)
+            return (1 - share) * low + share * high
+        if measured:  # outside the measured sizes: the nearest one
+            return self.rates[(below or above)[-1 if below else 0]].rate(depth, self.explore)
         deepest = [(len(r.offered), r) for r in self.rates.values() if r.offered]
         if deepest:
             size, rate = max(deepest, key=lambda x: x[0])
-            return rate.rate(size)
+            return rate.rate(size, self.explore)
         return 0.5
 
     def expected_tokens(self, shape: Shape) -> float:
@@ -140,22 +151,19 @@ class AutoTreeSize:
         return total
 
     def verify_seconds(self, nodes: int) -> float:
-        """Measured (or interpolated) seconds of a verify forward over ``nodes`` drafts; 0 before any round."""
-        points = sorted((n, s / w) for n, (w, s) in self.verify.items() if w > 0)
+        """Measured seconds of a verify forward over ``nodes`` drafts (0 before any round). An unmeasured count is
+        assumed to cost what the next smaller measured one does (a lower bound: verify time does not fall as N
+        grows), so it is tried once and then known; below every measured count, ``prior_slope_ratio`` per node."""
+        points = {n: seconds / weight for n, (weight, seconds) in self.verify.items() if weight > 0}
         if not points:
             return 0.0
-        xs = [n for n, _ in points]
-        i = bisect.bisect_left(xs, nodes)
-        if i < len(xs) and xs[i] == nodes:
-            return points[i][1]
-        if len(points) == 1:
-            (n0, s0), = points
-            base = s0 / (1 + self.prior_slope_ratio * n0)
-            return base * (1 + self.prior_slope_ratio * nodes)
-        lo, hi = (i - 1, i) if 0 < i < len(xs) else ((0, 1) if i == 0 else (len(xs) - 2, len(xs) - 1))
-        (n0, s0), (n1, s1) = points[lo], points[hi]
-        slope = max((s1 - s0) / (n1 - n0), 0.0)
-        return max(s0 + slope * (nodes - n0), 1e-9)
+        if nodes in points:
+            return points[nodes]
+        below = [n for n in points if n < nodes]
+        if below:
+            return points[max(below)]
+        smallest = min(points)
+        return points[smallest] / (1 + self.prior_slope_ratio * smallest) * (1 + self.prior_slope_ratio * nodes)
 
     def draft_seconds(self, shape: Shape) -> float:
         per_level = self.draft[1] / self.draft[0] if self.draft[0] > 0 else 0.0

@@ -18,10 +18,10 @@ from collections.abc import Sequence
 
 import torch
 
-from hf_kvspec.speculative.drafters.base import DraftContext, Drafter, DraftProposal, RoundOutcome
-from hf_kvspec.speculative.drafters.features import ensure_attached
 from hf_kvspec.speculative.autotree import AutoTreeSize, fit_tree, static_menu
 from hf_kvspec.speculative.draft_vocab import DraftVocabulary
+from hf_kvspec.speculative.drafters.base import DraftContext, Drafter, DraftProposal, RoundOutcome
+from hf_kvspec.speculative.drafters.features import ensure_attached
 from hf_kvspec.speculative.tree import CandidateTree, StaticTree, static_tree
 from hf_kvspec.speculative.verify import VerifyResult, deepest_path, sample_tokens
 
