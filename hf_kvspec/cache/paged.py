@@ -353,6 +353,21 @@ class PagedCache(Cache):
             raise IndexError(f"layer_idx {layer_idx} is outside 0..{len(self.layers) - 1}.")
         return self.tables.table(batch_idx)
 
+    def gather_positions(self, layer_idx: int, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Read-only: K, V ``[B, Hkv, C, D]`` of layer ``layer_idx`` at ``positions`` ``[B, C]`` (each below the
+        layer's length) of every row, through the block tables; a sparse view's sinks + window
+        (``cache/views.py``) read this way touch only the blocks that hold them. Writes nothing."""
+        layer = self.layers[layer_idx]
+        if not layer.is_initialized or (positions.numel() and int(positions.max()) >= layer.cumulative_length):
+            raise ValueError(f"gather_positions: layer {layer_idx} holds {layer.cumulative_length} tokens; pass "
+                             "positions below that.")
+        tables = torch.tensor(self.tables.tables(), dtype=torch.long, device=layer.keys.device)
+        positions = positions.to(layer.keys.device, torch.long)
+        blocks = tables.view(self.tables.num_rows, -1).gather(1, positions // self.block_size)  # [B, C]
+        offsets = positions % self.block_size
+        # pages [N, P, Hkv, D] indexed by [B, C] block ids and offsets -> [B, C, Hkv, D] -> [B, Hkv, C, D]
+        return layer.keys[blocks, offsets].transpose(1, 2), layer.values[blocks, offsets].transpose(1, 2)
+
     def utilization(self) -> float:
         """Token slots holding live tokens / slots of the blocks in use (each shared block counted once)."""
         filled: dict[int, int] = {}
