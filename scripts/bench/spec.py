@@ -4,6 +4,7 @@
                                      [--ngram-k 4] [--repeats 3] [--modes greedy,t=0.7] [--methods ...] [--skip-batch]
                                      [--part NAME]          # writes benchmarks/results/spec.NAME.{json,md}
     python scripts/benchmark.py spec --combine              # merges every spec.*.json part into spec.{json,md,png}
+    python scripts/benchmark.py spec --assistant medusa|eagle  # bundled heads, trees (bench/spec_trees.py)
 
 Compared at bs=1 on a fixed prompt set (chat, code, summarization of a given text), greedy and temperature 0.7:
     plain       model.generate
@@ -112,6 +113,11 @@ def add_arguments(parser) -> None:
                         help="comma list at bs=4")
     parser.add_argument("--part", default="", help="write spec.PART.{json,md} (merge them with --combine)")
     parser.add_argument("--combine", action="store_true", help="merge spec.*.json parts into spec.{json,md,png}")
+    parser.add_argument("--assistant", choices=["medusa", "eagle"], default=None,
+                        help="bundled heads with tree verification (bench/spec_trees.py): chain vs static vs dynamic "
+                             "trees on the held-out chat prompts; writes spec.PART or spec.ASSISTANT")
+    parser.add_argument("--tree-methods", default="", help="with --assistant: comma list (see bench/spec_trees.py)")
+    parser.add_argument("--num-prompts", type=int, default=35, help="with --assistant: held-out prompts (evenly spread)")
 
 
 # ---------------------------------------------------------------------------------------------- drafts
@@ -261,6 +267,10 @@ def _median_sample(samples: list[dict]) -> dict:
 def run(args) -> None:
     if args.combine:
         return combine()
+    if args.assistant:
+        from bench import spec_trees
+
+        return spec_trees.run(args)
     if args.target == "tiny":
         return _run_tiny(args)
     from hf_kvspec.models import load_bundled_model

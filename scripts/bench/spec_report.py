@@ -90,6 +90,8 @@ def combine() -> None:
     report = Report("spec", TITLE, COLUMNS, settings={})
     for path in parts:
         payload = json.loads(path.read_text())
+        if payload["settings"].get("assistant"):  # spec --assistant parts have their own columns (spec_bounds.py)
+            continue
         part = path.name.removeprefix("spec.").removesuffix(".json")
         rows, notes = payload["rows"], [note for note in payload["notes"] if note not in COMMON_NOTES]
         if STOCK_DEFAULT_KEY not in payload["settings"]:
