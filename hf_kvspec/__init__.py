@@ -57,6 +57,8 @@ _EXPORTS: dict[str, str] = {
     "NgramAssistant": "hf_kvspec.speculative.drafters.ngram",
     "MedusaAssistant": "hf_kvspec.speculative.drafters.medusa",
     "EagleAssistant": "hf_kvspec.speculative.drafters.eagle",
+    "EarlyExitAssistant": "hf_kvspec.speculative.drafters.early_exit",
+    "LayerSkipAssistant": "hf_kvspec.speculative.drafters.layer_skip",
     "AcceptanceStats": "hf_kvspec.speculative.stats",
     "truncated_draft": "hf_kvspec.speculative.drafters.truncated",
     "make_assistant": "hf_kvspec.speculative.assistants",

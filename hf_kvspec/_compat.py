@@ -219,3 +219,33 @@ def sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs):
     from transformers.integrations.sdpa_attention import sdpa_attention_forward as forward
 
     return forward(module, query, key, value, attention_mask, **kwargs)
+
+
+# --- self-speculation (hf_kvspec.speculative.partial_forward) -------------------------------------------------------
+
+#: Architectures whose decoder runs as ``embed -> layers -> norm -> lm_head`` with no embedding scale, one rotary
+#: module shared by all layers and full attention in every layer (read from the transformers 5.24 modeling files).
+#: Gemma (scaled embeddings, soft-capping), sliding-window layers and MLA models are refused by name.
+SELF_SPECULATION_MODEL_TYPES = ("llama", "qwen2", "mistral")
+
+
+def decoder_stack(model):
+    """``(embed_tokens, layers, rotary_emb, norm)`` of a supported causal LM, for running its layers one by one.
+
+    Private knowledge: where each architecture keeps its decoder pieces (``model.model.layers`` etc.) and that
+    these architectures apply no embedding scale and no extra per-layer inputs besides the shared rotary
+    ``position_embeddings``. Refuses other architectures and sliding-window layers by name."""
+    model_type = getattr(model.config, "model_type", None)
+    if model_type not in SELF_SPECULATION_MODEL_TYPES:
+        raise NotImplementedError(
+            f"self-speculative drafting (EarlyExitAssistant, LayerSkipAssistant) supports "
+            f"{', '.join(SELF_SPECULATION_MODEL_TYPES)}; got model_type={model_type!r}. Use DraftModelAssistant or "
+            f"NgramAssistant for this model.")
+    layer_types, _ = layer_types_and_kwargs(model.config)
+    if any("sliding" in str(kind) for kind in layer_types):
+        raise NotImplementedError(
+            f"self-speculative drafting builds explicit full-attention masks; this {model_type} config has "
+            f"sliding-window layers ({sorted(set(layer_types))}). Load it with sliding_window=None / "
+            f"use_sliding_window=False if the context fits the window, or use DraftModelAssistant.")
+    decoder = model.model
+    return decoder.embed_tokens, decoder.layers, decoder.rotary_emb, decoder.norm

@@ -1,0 +1,144 @@
+"""Early-exit self-speculation on the target's own cache (LayerSkip, Elhoushi et al. 2404.16710, section 4).
+
+Boundary: drafts with the target's first E layers (+ an optional exit adapter, the final norm and the shared LM
+head) and runs the round's verify forward itself (``verify_forward``), reusing what drafting computed. Owns one
+piece of state between ``propose`` and ``verify_forward``: the layer-E hidden states of the drafted positions
+(the exit-query cache). The loop owns acceptance and the roll back; ``partial_forward.py`` the layer calls.
+
+One round, a row whose cache holds S columns, root r (the newest committed token) and N drafts d1..dN::
+
+    draft    layers 0..E-1 over r, d1, ..., d(N-1), one column at a time, writing their K/V to the target's cache;
+             the layer-E states of those N columns are kept, and head(state) gives d1..dN
+    verify   layers 0..E-1 over dN only (the one column they have not seen), then layers E..L-1 over r, d1..dN
+             from the kept states + dN's; logits [N + 1] for the verifier
+    accept   the loop crops every layer to the accepted length (all layers hold S + N + 1 columns here)
+
+Why it is exact: the K/V layers 0..E-1 write while drafting is what the full model computes for those columns in
+those layers (same inputs: the committed prefix and the drafted tokens), and the kept layer-E states are the
+inputs layers E..L-1 would get; so verify computes the full model's logits over r, d1..dN, with every column
+processed once per layer. transformers' ``assistant_early_exit`` instead runs layers 0..E-1 in a separate cache
+and then all L layers again in the verify pass.
+
+The first round (the prompt is not in the cache yet) drafts nothing: its verify forward is the prefill.
+
+Shapes: ``B`` rows, ``N`` drafts, ``S`` cached columns, ``W`` buffer width, ``H`` hidden size, ``V`` vocabulary.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hf_kvspec.cache.contract import crop_layers
+from hf_kvspec.speculative.drafters.base import DraftContext, Drafter, DraftProposal
+from hf_kvspec.speculative.partial_forward import PartialForward
+from hf_kvspec.speculative.verify import sample_tokens
+
+
+class EarlyExitAssistant(Drafter):
+    """Draft with the target's layers ``0..exit_layer-1``; verify with the rest, on one shared cache.
+
+    ``adapter``: optional module mapping layer-E hidden states [B, T, H] to hidden states [B, T, H] for the final
+    norm and LM head, position by position (e.g. ``hf_kvspec.heads`` exit adapter); None = exit straight into
+    the final norm (works when the model was trained for early exit)."""
+
+    shares_target_cache = True
+    can_drop_rows = True  # no per-row state survives a round
+
+    def __init__(self, exit_layer: int, num_draft_tokens: int | str = 4, adapter=None, max_draft_tokens: int = 16):
+        super().__init__(num_draft_tokens, max_draft_tokens)
+        if isinstance(exit_layer, bool) or not isinstance(exit_layer, int) or exit_layer < 1:
+            raise ValueError(f"exit_layer must be a positive int (the number of layers that draft), got "
+                             f"{exit_layer!r}")
+        self.exit_layer = exit_layer
+        self.adapter = adapter
+        self.stack: PartialForward | None = None
+        self.kept: torch.Tensor | None = None  # [B, N, H] layer-E states of this round's drafted columns
+
+    def begin(self, target, buffer, target_hidden=None) -> None:
+        super().begin(target, buffer, target_hidden)
+        self.stack = PartialForward(target)
+        if self.exit_layer > self.stack.num_layers:
+            raise ValueError(f"exit_layer={self.exit_layer} but the target has {self.stack.num_layers} layers; "
+                             f"pass 1..{self.stack.num_layers}")
+        self.kept = None
+
+    def kernel_modules(self) -> tuple:
+        return () if self.adapter is None else (self.adapter,)
+
+    # ------------------------------------------------------------------------------------------ draft
+    def propose(self, ctx: DraftContext) -> DraftProposal:
+        cache, buffer = ctx.target_cache, ctx.buffer
+        held = _verified_length(cache, self.stack.num_layers)
+        self.kept = None
+        if held < buffer.width - 1:  # first round: the verify forward prefills
+            return DraftProposal(buffer.tokens.new_zeros(buffer.tokens.shape[0], 0))
+        early = range(self.exit_layer)
+        try:
+            return self._draft(ctx, early)
+        except BaseException:
+            crop_layers(cache, held, early)  # the cache as the loop left it
+            self.kept = None
+            raise
+
+    def _draft(self, ctx: DraftContext, early: range) -> DraftProposal:
+        buffer, count = ctx.buffer, ctx.num_draft_tokens
+        ids = buffer.tokens[:, -1:]  # [B, 1] the root
+        tokens, probs, kept = [], [], []
+        for step in range(count):
+            positions = buffer.next_positions(step + 1)[:, -1:]  # [B, 1]
+            state = self.stack.run(self.stack.embed(ids), early, buffer.attention_mask(step + 1), positions,
+                                   ctx.target_cache)  # [B, 1, H] layer-E input
+            kept.append(state)
+            drafted = torch.stack(tokens, dim=1) if tokens else ids[:, :0]
+            scores = ctx.process(self.exit_logits(state), drafted, start=step)[:, 0]  # [B, V]
+            if ctx.do_sample:
+                dist = torch.softmax(scores, dim=-1)
+                tokens.append(sample_tokens(dist))
+                probs.append(dist)
+            else:
+                tokens.append(scores.argmax(dim=-1))
+            ids = tokens[-1][:, None]
+        self.kept = torch.cat(kept, dim=1)  # [B, N, H]
+        return DraftProposal(torch.stack(tokens, dim=1), torch.stack(probs, dim=1) if probs else None,
+                             draft_forwards=count)
+
+    def exit_logits(self, state: torch.Tensor) -> torch.Tensor:
+        """Layer-E states [B, T, H] -> draft logits [B, T, V] (adapter, final norm, shared LM head)."""
+        if self.adapter is not None:
+            state = self.adapter(state)
+        return self.stack.logits(state)
+
+    # ------------------------------------------------------------------------------------------ verify
+    def verify_forward(self, model, inputs: dict, cache, feature_layers=None):
+        """The round's target forward from the kept states (module docstring); logits [B, N + 1, V]."""
+        if feature_layers is not None:
+            raise ValueError("EarlyExitAssistant does not capture target features (wants_hidden_states is False)")
+        kept, self.kept = self.kept, None
+        if kept is None:  # nothing drafted: a plain forward (the first round's prefill)
+            return model(**inputs, cache=cache, use_cache=True).logits, None
+        held = _verified_length(cache, self.stack.num_layers)
+        try:
+            return self._verify(inputs, cache, kept), None
+        except BaseException:
+            crop_layers(cache, held)  # every layer back to the verified columns
+            raise
+
+    def _verify(self, inputs: dict, cache, kept: torch.Tensor) -> torch.Tensor:
+        ids, positions = inputs["input_ids"], inputs["position_ids"]  # [B, N + 1] root + drafts
+        if ids.shape[1] != kept.shape[1] + 1:
+            raise RuntimeError(f"verify forward over {ids.shape[1]} columns after drafting {kept.shape[1]}")
+        key_mask = inputs.get("attention_mask")  # [B, S + N + 1] or None
+        last = self.stack.run(self.stack.embed(ids[:, -1:]), range(self.exit_layer), key_mask, positions[:, -1:],
+                              cache)  # [B, 1, H] the last draft through layers 0..E-1
+        states = torch.cat([kept, last], dim=1)  # [B, N + 1, H]
+        states = self.stack.run(states, range(self.exit_layer, self.stack.num_layers), key_mask, positions, cache)
+        return self.stack.logits(states[:, -inputs["logits_to_keep"]:])
+
+    def end(self) -> None:
+        self.kept = None
+        self.stack = None
+
+
+def _verified_length(cache, num_layers: int) -> int:
+    # between rounds every layer holds the verified columns; the last layer is never written while drafting
+    return int(cache.get_seq_length(num_layers - 1))

@@ -1,0 +1,146 @@
+"""Layer-skipping self-speculation (Draft & Verify, Zhang et al. 2309.08168; SWIFT, Xia et al. 2410.06916).
+
+Boundary: drafts with the target minus a set of skipped decoder layers, attending over the target's own cache for
+the committed prefix (no second cache); chooses the skip set on request (``search``). The loop's ordinary verify
+forward (all layers) checks the drafts; ``partial_forward.py`` runs the layers.
+
+Why the draft columns are cropped before verify: a kept layer after a skipped one sees different inputs while
+drafting than in the full model, so the K/V it writes at the draft columns are not the target's. ``propose``
+crops them (``contract.crop_layers``) before returning; the verify forward writes the exact ones. The prefix
+columns, written by the full model, are the target's: drafting reads them as they are (the draft model is "the
+target with layers skipped, attending over the target's K/V", as in both papers).
+
+The first round (the prompt is not in the cache yet) drafts nothing: its verify forward is the prefill.
+
+``skip_layers="search"`` (SWIFT-style, greedy instead of Bayesian): on the first call, the target continues the
+first prompt row greedily for ``calibration_tokens`` tokens; then, one layer at a time, the layer whose removal
+keeps the highest teacher-forced agreement (the skipping model's argmax equals the target's next token) joins
+the skip set, up to half of the layers; the set with the best estimated speed
+``tau(alpha) / (1 + N * kept_fraction)``, ``tau(alpha) = (1 - alpha^(N + 1)) / (1 - alpha)``, wins. Cost: one
+calibration generation plus at most ``L + (L - 1) + ... + L / 2`` teacher-forced forwards over
+prompt + continuation. Deviation from the drafting it scores: the teacher-forced forward computes the skipping
+model's own K/V for the prefix, not the target's (one forward per candidate instead of one per position).
+
+Shapes: ``B`` rows, ``N`` drafts, ``T`` calibration columns, ``V`` vocabulary.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+
+from hf_kvspec.cache.contract import crop_layers
+from hf_kvspec.speculative.drafters.base import DraftContext, Drafter, DraftProposal
+from hf_kvspec.speculative.partial_forward import PartialForward
+from hf_kvspec.speculative.verify import sample_tokens
+
+
+class LayerSkipAssistant(Drafter):
+    """Draft with the target's layers except ``skip_layers`` (a list of layer indices, or ``"search"``)."""
+
+    shares_target_cache = True
+    can_drop_rows = True  # no per-row state survives a round
+
+    def __init__(self, skip_layers: list[int] | str = "search", num_draft_tokens: int | str = 4,
+                 max_draft_tokens: int = 16, calibration_tokens: int = 32):
+        super().__init__(num_draft_tokens, max_draft_tokens)
+        if skip_layers != "search":
+            if isinstance(skip_layers, (str, bytes)) or not all(
+                    isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in skip_layers):
+                raise ValueError(f"skip_layers must be a list of layer indices or 'search', got {skip_layers!r}")
+            skip_layers = sorted(set(skip_layers))
+        self.skip_layers = skip_layers
+        self.calibration_tokens = calibration_tokens
+        self.search_log: list[tuple[tuple[int, ...], float, float]] = []  # (skip set, agreement, estimated speed)
+        self.stack: PartialForward | None = None
+
+    def begin(self, target, buffer, target_hidden=None) -> None:
+        super().begin(target, buffer, target_hidden)
+        self.stack = PartialForward(target)
+        if self.skip_layers == "search":
+            self.skip_layers = self.search(buffer.tokens[:1, buffer.mask[0].bool()])
+        bad = [i for i in self.skip_layers if i >= self.stack.num_layers]
+        if bad or len(self.skip_layers) >= self.stack.num_layers:
+            raise ValueError(f"skip_layers={self.skip_layers} for a {self.stack.num_layers}-layer target: skip "
+                             f"indices 0..{self.stack.num_layers - 1}, keeping at least one layer")
+        self.kept_layers = [i for i in range(self.stack.num_layers) if i not in self.skip_layers]
+
+    # ------------------------------------------------------------------------------------------ draft
+    def propose(self, ctx: DraftContext) -> DraftProposal:
+        cache, buffer = ctx.target_cache, ctx.buffer
+        held = int(cache.get_seq_length(self.stack.num_layers - 1))
+        if held < buffer.width - 1:  # first round: the verify forward prefills
+            return DraftProposal(buffer.tokens.new_zeros(buffer.tokens.shape[0], 0))
+        try:
+            return self._draft(ctx)
+        finally:
+            crop_layers(cache, held, self.kept_layers)  # the draft columns' K/V are not the target's
+
+    def _draft(self, ctx: DraftContext) -> DraftProposal:
+        buffer, count = ctx.buffer, ctx.num_draft_tokens
+        ids = buffer.tokens[:, -1:]  # [B, 1] the root
+        tokens, probs = [], []
+        for step in range(count):
+            positions = buffer.next_positions(step + 1)[:, -1:]  # [B, 1]
+            state = self.stack.run(self.stack.embed(ids), self.kept_layers, buffer.attention_mask(step + 1),
+                                   positions, ctx.target_cache)  # [B, 1, H]
+            drafted = torch.stack(tokens, dim=1) if tokens else ids[:, :0]
+            scores = ctx.process(self.stack.logits(state), drafted, start=step)[:, 0]  # [B, V]
+            if ctx.do_sample:
+                dist = torch.softmax(scores, dim=-1)
+                tokens.append(sample_tokens(dist))
+                probs.append(dist)
+            else:
+                tokens.append(scores.argmax(dim=-1))
+            ids = tokens[-1][:, None]
+        return DraftProposal(torch.stack(tokens, dim=1), torch.stack(probs, dim=1) if probs else None,
+                             draft_forwards=count)
+
+    # ------------------------------------------------------------------------------------------ search
+    @torch.no_grad()
+    def search(self, prompt: torch.Tensor) -> list[int]:
+        """The skip set for ``prompt`` [1, P] (module docstring); records each step in ``search_log``."""
+        sequence = self._calibration_sequence(prompt)  # [1, T]
+        targets = sequence[:, prompt.shape[1]:]  # the tokens the target chose
+        every = list(range(self.stack.num_layers))
+        draft_len = self.num_draft_tokens if isinstance(self.num_draft_tokens, int) else 4
+        skipped: list[int] = []
+        best, best_speed = [], 1.0  # plain decoding; skipping nothing drafts right at a full forward per token
+        self.search_log = []
+        for _ in range(self.stack.num_layers // 2):
+            trials = [(self._agreement(sequence, targets, skipped + [i]), i) for i in every if i not in skipped]
+            agreement, layer = max(trials)
+            skipped = sorted(skipped + [layer])
+            speed = _estimated_speed(agreement, draft_len, 1 - len(skipped) / len(every))
+            self.search_log.append((tuple(skipped), agreement, speed))
+            if speed > best_speed:
+                best, best_speed = list(skipped), speed
+        return best
+
+    def _calibration_sequence(self, prompt: torch.Tensor) -> torch.Tensor:
+        # prompt [1, P] -> prompt + the target's greedy continuation [1, P + calibration_tokens]
+        cache, ids, sequence = DynamicCache(config=self.stack.model.config), prompt, prompt
+        for _ in range(self.calibration_tokens):
+            logits = self.stack.model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1).logits
+            ids = logits[:, -1].argmax(dim=-1, keepdim=True)
+            sequence = torch.cat([sequence, ids], dim=1)
+        return sequence
+
+    def _agreement(self, sequence: torch.Tensor, targets: torch.Tensor, skipped: list[int]) -> float:
+        """Fraction of the continuation where the model without ``skipped`` predicts the target's token."""
+        layers = [i for i in range(self.stack.num_layers) if i not in skipped]
+        positions = torch.arange(sequence.shape[1], device=sequence.device)[None]
+        cache = DynamicCache(config=self.stack.model.config)
+        state = self.stack.run(self.stack.embed(sequence), layers, None, positions, cache)
+        predicted = self.stack.logits(state[:, -targets.shape[1] - 1:-1]).argmax(dim=-1)  # [1, T_new]
+        return float((predicted == targets).float().mean())
+
+    def end(self) -> None:
+        self.stack = None
+
+
+def _estimated_speed(agreement: float, draft_len: int, kept_fraction: float) -> float:
+    """Expected tokens per target-forward cost: tau / (1 + N * kept_fraction), alpha i.i.d. (Leviathan et al.)."""
+    alpha = min(agreement, 1 - 1e-6)
+    tau = (1 - alpha ** (draft_len + 1)) / (1 - alpha)
+    return tau / (1 + draft_len * kept_fraction)
