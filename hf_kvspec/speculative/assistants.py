@@ -16,7 +16,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-ASSISTANT_HELP = "ngram | draft:<causal LM dir> | draft:truncated:<N layers of the target>"
+ASSISTANT_HELP = ("ngram | draft:<causal LM dir> | draft:truncated:<N layers of the target> | early_exit[:E] | "
+                  "layer_skip")
 
 
 def check_spec(spec: str) -> tuple[str, int | Path | None]:
@@ -29,6 +30,13 @@ def check_spec(spec: str) -> tuple[str, int | Path | None]:
         raise TypeError(f"spec must be a string: ngram | draft:<dir> | draft:truncated:<N>, got {type(spec).__name__}")
     if spec == "ngram":
         return "ngram", None
+    if spec == "layer_skip":  # LayerSkipAssistant("search"): the skip set measured on the first prompt
+        return "layer_skip", None
+    if spec == "early_exit" or spec.startswith("early_exit:"):  # EarlyExitAssistant(E); E defaults to L // 2
+        layers = spec.removeprefix("early_exit").removeprefix(":")
+        if spec != "early_exit" and (not layers.isdigit() or int(layers) < 1):
+            raise ValueError(f"early_exit:<E> needs a positive exit layer, got {spec!r}")
+        return "early_exit", int(layers) if layers else None
     if spec.startswith("draft:truncated:"):
         layers = spec.removeprefix("draft:truncated:")
         if not layers.isdigit():
@@ -59,6 +67,8 @@ def make_assistant(spec: str, target, num_draft_tokens: int | str = 4):
                         f"{type(target).__name__}.")
     if kind == "ngram":
         return NgramAssistant(max_ngram=3, num_draft_tokens=num_draft_tokens)
+    if kind in ("early_exit", "layer_skip"):
+        return _self_drafter(kind, value, target, num_draft_tokens)
     if kind == "truncated":
         from hf_kvspec.speculative.drafters.truncated import truncated_draft
 
@@ -73,6 +83,16 @@ def parse_num_draft_tokens(value: str) -> int | str:
     if not value.isdigit():
         raise ValueError(f"--num-draft-tokens takes an int or 'auto', got {value!r}")
     return int(value)
+
+
+def _self_drafter(kind: str, exit_layer: int | None, target, num_draft_tokens: int | str):
+    from hf_kvspec.speculative.drafters.early_exit import EarlyExitAssistant
+    from hf_kvspec.speculative.drafters.layer_skip import LayerSkipAssistant
+
+    if kind == "layer_skip":
+        return LayerSkipAssistant("search", num_draft_tokens=num_draft_tokens)
+    exit_layer = exit_layer or max(target.config.num_hidden_layers // 2, 1)
+    return EarlyExitAssistant(exit_layer, num_draft_tokens=num_draft_tokens)
 
 
 def _load_draft(path: Path, target):

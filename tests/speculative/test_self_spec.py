@@ -279,3 +279,20 @@ def test_search_logs_its_steps_and_keeps_a_layer():
     assert len(assistant.search_log) == LAYERS // 2
     assert [len(skip) for skip, _, _ in assistant.search_log] == list(range(1, LAYERS // 2 + 1))
     assert len(assistant.skip_layers) < LAYERS
+
+
+def test_assistant_specs():
+    from hf_kvspec.speculative.assistants import check_spec, make_assistant
+
+    assert check_spec("early_exit:3") == ("early_exit", 3)
+    assert check_spec("early_exit") == ("early_exit", None)
+    assert check_spec("layer_skip") == ("layer_skip", None)
+    for bad in ("early_exit:", "early_exit:0", "early_exit:x"):
+        with pytest.raises(ValueError, match="early_exit"):
+            check_spec(bad)
+    model = _model("llama")
+    default = make_assistant("early_exit", model, num_draft_tokens=3)
+    assert isinstance(default, EarlyExitAssistant) and default.exit_layer == LAYERS // 2
+    assert make_assistant("early_exit:3", model).exit_layer == 3
+    skipping = make_assistant("layer_skip", model, num_draft_tokens="auto")
+    assert isinstance(skipping, LayerSkipAssistant) and skipping.skip_layers == "search"
