@@ -59,6 +59,8 @@ _EXPORTS: dict[str, str] = {
     "EagleAssistant": "hf_kvspec.speculative.drafters.eagle",
     "EarlyExitAssistant": "hf_kvspec.speculative.drafters.early_exit",
     "LayerSkipAssistant": "hf_kvspec.speculative.drafters.layer_skip",
+    "SparseKVAssistant": "hf_kvspec.speculative.drafters.sparse_kv",
+    "StreamingView": "hf_kvspec.cache.views",
     "AcceptanceStats": "hf_kvspec.speculative.stats",
     "truncated_draft": "hf_kvspec.speculative.drafters.truncated",
     "make_assistant": "hf_kvspec.speculative.assistants",
