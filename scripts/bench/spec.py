@@ -113,9 +113,11 @@ def add_arguments(parser) -> None:
                         help="comma list at bs=4")
     parser.add_argument("--part", default="", help="write spec.PART.{json,md} (merge them with --combine)")
     parser.add_argument("--combine", action="store_true", help="merge spec.*.json parts into spec.{json,md,png}")
-    parser.add_argument("--assistant", choices=["medusa", "eagle"], default=None,
+    parser.add_argument("--assistant", choices=["medusa", "eagle", "early_exit", "layer_skip"], default=None,
                         help="bundled heads with tree verification (bench/spec_trees.py): chain vs static vs dynamic "
-                             "trees on the held-out chat prompts; writes spec.PART or spec.ASSISTANT")
+                             "trees on the held-out chat prompts; writes spec.PART or spec.ASSISTANT; early_exit | "
+                             "layer_skip: self-speculation (bench/selfspec.py, writes spec.selfspec)")
+    parser.add_argument("--exit-layer", type=int, default=None, help="with --assistant early_exit: E (default L // 2)")
     parser.add_argument("--tree-methods", default="", help="with --assistant: comma list (see bench/spec_trees.py)")
     parser.add_argument("--num-prompts", type=int, default=35, help="with --assistant: held-out prompts (evenly spread)")
 
@@ -267,6 +269,10 @@ def _median_sample(samples: list[dict]) -> dict:
 def run(args) -> None:
     if args.combine:
         return combine()
+    if args.assistant in ("early_exit", "layer_skip"):
+        from bench import selfspec
+
+        return selfspec.run(args)
     if args.assistant:
         from bench import spec_trees
 

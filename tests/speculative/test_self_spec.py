@@ -247,7 +247,7 @@ def _exact_marginals(model, prompt, steps):
                 probs = torch.softmax(model(input_ids=ids).logits[0, -1].double(), dim=-1)
             marginal += weight * probs
             for token in range(vocab):
-                following[path + (token,)] = weight * float(probs[token])
+                following[(*path, token)] = weight * float(probs[token])
         marginals.append(marginal)
         paths = following
     return marginals

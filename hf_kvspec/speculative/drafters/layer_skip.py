@@ -12,14 +12,16 @@ target with layers skipped, attending over the target's K/V", as in both papers)
 
 The first round (the prompt is not in the cache yet) drafts nothing: its verify forward is the prefill.
 
-``skip_layers="search"`` (SWIFT-style, greedy instead of Bayesian): on the first call, the target continues the
-first prompt row greedily for ``calibration_tokens`` tokens; then, one layer at a time, the layer whose removal
-keeps the highest teacher-forced agreement (the skipping model's argmax equals the target's next token) joins
-the skip set, up to half of the layers; the set with the best estimated speed
+``skip_layers="search"`` (SWIFT-style, a ranking instead of Bayesian optimisation): on the first call, the target
+continues the first prompt row greedily for ``calibration_tokens`` tokens; each layer is scored by the
+teacher-forced agreement (the skipping model's argmax equals the target's next token) with that layer alone
+skipped; then the n best-ranked layers are skipped together, n = 1, 2, ... up to half of the layers or until
+``patience`` steps bring no better set; the set with the best estimated speed
 ``tau(alpha) / (1 + N * kept_fraction)``, ``tau(alpha) = (1 - alpha^(N + 1)) / (1 - alpha)``, wins. Cost: one
-calibration generation plus at most ``L + (L - 1) + ... + L / 2`` teacher-forced forwards over
-prompt + continuation. Deviation from the drafting it scores: the teacher-forced forward computes the skipping
-model's own K/V for the prefix, not the target's (one forward per candidate instead of one per position).
+calibration generation plus at most ``L + L / 2 - 1`` teacher-forced forwards over prompt + continuation
+(measured for the bundled model: docs/self_speculative.md). Deviation from the drafting it scores: the
+teacher-forced forward computes the skipping model's own K/V for the prefix, not the target's (one forward per
+candidate instead of one per position).
 
 Shapes: ``B`` rows, ``N`` drafts, ``T`` calibration columns, ``V`` vocabulary.
 """
@@ -42,7 +44,7 @@ class LayerSkipAssistant(Drafter):
     can_drop_rows = True  # no per-row state survives a round
 
     def __init__(self, skip_layers: list[int] | str = "search", num_draft_tokens: int | str = 4,
-                 max_draft_tokens: int = 16, calibration_tokens: int = 32):
+                 max_draft_tokens: int = 16, calibration_tokens: int = 16, patience: int = 3):
         super().__init__(num_draft_tokens, max_draft_tokens)
         if skip_layers != "search":
             if isinstance(skip_layers, (str, bytes)) or not all(
@@ -51,6 +53,7 @@ class LayerSkipAssistant(Drafter):
             skip_layers = sorted(set(skip_layers))
         self.skip_layers = skip_layers
         self.calibration_tokens = calibration_tokens
+        self.patience = patience  # search steps without a better set before it stops
         self.search_log: list[tuple[tuple[int, ...], float, float]] = []  # (skip set, agreement, estimated speed)
         self.stack: PartialForward | None = None
 
@@ -104,17 +107,20 @@ class LayerSkipAssistant(Drafter):
         targets = sequence[:, prompt.shape[1]:]  # the tokens the target chose
         every = list(range(self.stack.num_layers))
         draft_len = self.num_draft_tokens if isinstance(self.num_draft_tokens, int) else 4
-        skipped: list[int] = []
+        # rank the layers once by the agreement without each of them alone (L forwards) ...
+        alone = sorted(((self._agreement(sequence, targets, [i]), i) for i in every), reverse=True)
         best, best_speed = [], 1.0  # plain decoding; skipping nothing drafts right at a full forward per token
         self.search_log = []
-        for _ in range(self.stack.num_layers // 2):
-            trials = [(self._agreement(sequence, targets, skipped + [i]), i) for i in every if i not in skipped]
-            agreement, layer = max(trials)
-            skipped = sorted(skipped + [layer])
+        # ... then skip the n best-ranked ones together, n = 1 .. L / 2 (one forward each, stopped by patience)
+        for count in range(1, self.stack.num_layers // 2 + 1):
+            skipped = sorted(i for _, i in alone[:count])
+            agreement = alone[0][0] if count == 1 else self._agreement(sequence, targets, skipped)
             speed = _estimated_speed(agreement, draft_len, 1 - len(skipped) / len(every))
             self.search_log.append((tuple(skipped), agreement, speed))
             if speed > best_speed:
                 best, best_speed = list(skipped), speed
+            elif count - len(best) >= self.patience:  # no better set in the last few steps: stop
+                break
         return best
 
     def _calibration_sequence(self, prompt: torch.Tensor) -> torch.Tensor:
