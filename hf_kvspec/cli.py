@@ -236,11 +236,48 @@ def _print_stats(new_tokens: int, elapsed: float, kv_bytes: int, cache_name: str
         print(f"{key:<{width}}  {value}")
 
 
+def _add_export_heads(subparsers) -> None:
+    p = subparsers.add_parser("export-heads", help="write a trained head in a serving layout (vLLM, SGLang)")
+    p.add_argument("head_dir", help="directory of a head saved by scripts/train_drafter.py")
+    p.add_argument("--format", required=True, choices=("speculators", "sglang", "vllm-medusa"),
+                   help="speculators: vLLM via the speculators EAGLE-3 config; sglang: LlamaForCausalLMEagle3; "
+                        "vllm-medusa: vLLM's Medusa model")
+    p.add_argument("--out", required=True, help="output directory (config.json + model.safetensors)")
+    p.add_argument("--base_model", default=None,
+                   help="base model whose LM head the export stores (default: the head's recorded base model)")
+    p.add_argument("--speculative_tokens", type=_count(1), default=5, help="speculators' greedy proposal length")
+    p.set_defaults(func=_run_export_heads, check=lambda args: None)
+
+
+def _run_export_heads(args) -> None:
+    import json
+    from pathlib import Path
+
+    from hf_kvspec.heads.export import export_head
+
+    spec = args.base_model or json.loads((Path(args.head_dir) / "config.json").read_text()).get(
+        "base_model_name_or_path")
+    if spec is None:
+        raise ValueError("the head records no base model; pass --base_model <path or bundled:NAME>.")
+    if spec == "bundled" or spec.startswith("bundled:"):
+        from hf_kvspec.models import DEFAULT_MODEL, load_bundled_model
+
+        base = load_bundled_model(spec.partition(":")[2] or DEFAULT_MODEL)[0]
+    else:
+        from transformers import AutoModelForCausalLM
+
+        base = AutoModelForCausalLM.from_pretrained(spec)
+    out = export_head(args.head_dir, args.format, args.out, base_model=base,
+                      speculative_tokens=args.speculative_tokens)
+    print(f"wrote {args.format} layout to {out}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hf-kvspec", description="KV caches and speculative decoding for transformers")
     subparsers = parser.add_subparsers(dest="command", required=True)
     _add_generate(subparsers)
     _add_memory(subparsers)
+    _add_export_heads(subparsers)
     return parser
 
 

@@ -62,6 +62,13 @@ class DraftHeadConfig(PreTrainedConfig):
         return cls(**record.to_config_kwargs(), **kwargs)
 
 
+def _validate_draft_vocab_size(config) -> None:
+    size = config.draft_vocab_size
+    if size is not None and not (_is_int(size) and 1 <= size <= config.base_vocab_size):
+        raise ValueError(f"{type(config).__name__}.draft_vocab_size must be None (full vocabulary) or an int in "
+                         f"1..base_vocab_size={config.base_vocab_size}, got {size!r}.")
+
+
 @strict
 class MedusaConfig(DraftHeadConfig):
     """Medusa-1 heads (Cai et al., arXiv 2401.10774): head k predicts token t+k+1 from the last hidden state at t.
@@ -96,6 +103,12 @@ class EagleConfig(DraftHeadConfig):
             from it with the base architecture's own decoder-layer class.
         feature_layers: indices into the base model's ``hidden_states`` tuple (0 = embeddings, -1 = final,
             normalised). One entry = EAGLE-1 feature; several = EAGLE-3 fusion through a linear ``fuse`` layer.
+        architecture: ``"eagle1"`` (``fc`` over embedding ⊕ fused feature, then a stock decoder layer) or
+            ``"eagle3"`` (the EAGLE-3 paper's layer: attention reads ``norm(embedding) ⊕ hidden_norm(fused)``, 2H
+            wide, the residual is the fused hidden; the layout vLLM ``speculators`` and SGLang serve).
+        norm_before_residual: ``"eagle3"`` only: the residual is the *normalised* fused hidden (a speculators option).
+        draft_vocab_size: ``None`` borrows the base LM head; N trains the head's own ``[N, H]`` projection over N
+            target tokens, mapped back by the ``d2t`` buffer (EAGLE-3 draft vocabulary, arXiv 2503.01840 §3).
     """
 
     model_type = "hf_kvspec_eagle"
@@ -103,6 +116,9 @@ class EagleConfig(DraftHeadConfig):
     base_config: dict | None = None
     feature_layers: list[int] | None = None
     rms_norm_eps: float = 1e-5
+    architecture: str = "eagle1"
+    norm_before_residual: bool = False
+    draft_vocab_size: int | None = None
 
     def __post_init__(self, **kwargs):
         if self.feature_layers is None:
@@ -121,6 +137,12 @@ class EagleConfig(DraftHeadConfig):
                              f"{-(depth + 1)}..{depth}.")
         if not (isinstance(self.rms_norm_eps, (int, float)) and self.rms_norm_eps > 0):
             raise ValueError(f"EagleConfig.rms_norm_eps must be a positive float, got {self.rms_norm_eps!r}.")
+        if self.architecture not in ("eagle1", "eagle3"):
+            raise ValueError(f"EagleConfig.architecture must be 'eagle1' or 'eagle3', got {self.architecture!r}.")
+        if self.norm_before_residual and self.architecture != "eagle3":
+            raise ValueError("EagleConfig.norm_before_residual belongs to the 'eagle3' layer; set "
+                             "architecture='eagle3' or drop it.")
+        _validate_draft_vocab_size(self)
 
     @classmethod
     def for_base_model(cls, base_model, name_or_path: str | None = None, revision: str | None = None, **kwargs):

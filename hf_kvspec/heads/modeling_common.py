@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 from transformers import PreTrainedModel
 
@@ -60,6 +61,55 @@ class DraftHeadModel(PreTrainedModel):
                 f"head.attach(base_model) first (trained for {trained_for})."
             )
         return self._borrowed
+
+    # ---- draft vocabulary (EAGLE-3, arXiv 2503.01840 §3) --------------------------------------------------------
+    # Draft id i stands for target id ``i + d2t[i]``; ``t2d[v]`` is True for target ids in the draft vocabulary.
+    # Draft ids follow ascending target ids, so ``t2d`` alone fixes the map (the convention of EAGLE-3, vLLM
+    # ``speculators`` and SGLang, whose checkpoints carry the same two buffers).
+    def _init_draft_vocab(self, size: int | None) -> None:
+        """Register ``d2t`` int64 [N] and ``t2d`` bool [V] (identity map until ``set_draft_vocab``)."""
+        if size is None:
+            self.d2t = self.t2d = None
+            return
+        self.register_buffer("d2t", torch.zeros(size, dtype=torch.long))
+        t2d = torch.zeros(self.config.base_vocab_size, dtype=torch.bool)
+        t2d[:size] = True
+        self.register_buffer("t2d", t2d)
+
+    @property
+    def has_draft_vocab(self) -> bool:
+        return getattr(self, "d2t", None) is not None
+
+    @torch.no_grad()
+    def set_draft_vocab(self, token_ids: torch.Tensor) -> None:
+        """Make the draft vocabulary the target ids ``token_ids`` [N] (any order; stored ascending)."""
+        if not self.has_draft_vocab:
+            raise ValueError(f"{type(self).__name__} was built without a draft vocabulary; set "
+                             "config.draft_vocab_size=N first.")
+        ids = torch.as_tensor(token_ids, dtype=torch.long).flatten().sort().values
+        size, vocab = self.d2t.numel(), self.t2d.numel()
+        if ids.numel() != size or torch.unique(ids).numel() != size or ids.min() < 0 or ids.max() >= vocab:
+            raise ValueError(f"set_draft_vocab needs {size} distinct target ids in 0..{vocab - 1}, got "
+                             f"{ids.numel()} ({torch.unique(ids).numel()} distinct).")
+        self.d2t.copy_(ids - torch.arange(size))
+        self.t2d.zero_()
+        self.t2d[ids.to(self.t2d.device)] = True
+
+    def draft_vocab_ids(self) -> torch.Tensor:
+        """Target ids of the draft vocabulary, int64 [N] ascending (``arange(N) + d2t``)."""
+        return torch.arange(self.d2t.numel(), device=self.d2t.device) + self.d2t
+
+    def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """Draft ids (any shape) -> target ids; the identity for a head without a draft vocabulary."""
+        return draft_ids if not self.has_draft_vocab else draft_ids + self.d2t.to(draft_ids.device)[draft_ids]
+
+    def target_to_draft(self, target_ids: torch.Tensor) -> torch.Tensor:
+        """Target ids (any shape) -> draft ids, -1 where the draft vocabulary lacks the token (identity without)."""
+        if not self.has_draft_vocab:
+            return target_ids
+        t2d = self.t2d.to(target_ids.device)
+        index = torch.cumsum(t2d.long(), 0) - 1                                   # [V] draft id of each kept id
+        return torch.where(t2d[target_ids], index[target_ids], torch.full_like(target_ids, -1))
 
     def get_input_embeddings(self):
         return self.borrowed().embed_tokens if self.is_attached else None

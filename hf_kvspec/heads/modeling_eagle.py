@@ -13,6 +13,13 @@ the embedding of ``x_{t+1}``; the draft hidden state ``g_t`` predicts ``f_{t+1}`
 Deviations: the decoder layer is the base architecture's own class built from its config (not a copy); a final
 RMSNorm sits before the borrowed LM head (as in EAGLE-3); with one feature layer the feature is the base model's
 *normalised* last hidden state (what its LM head sees).
+
+Two layer layouts (``config.architecture``): ``"eagle1"`` (ours since the first heads) feeds
+``fc(embed ⊕ fused)`` [B, T, H] through the stock layer; ``"eagle3"`` is the paper's layer, the one vLLM
+``speculators`` (``Eagle3DraftModel``) and SGLang (``LlamaForCausalLMEagle3``) serve: the layer's q/k/v projections
+read ``input_layernorm(embed) ⊕ hidden_norm(fused)`` [B, T, 2H] and the residual is the fused hidden itself.
+With ``config.draft_vocab_size = N`` the head projects onto its own ``lm_head`` [N, H] and ``draft_to_target``
+maps draft ids back (``d2t``/``t2d`` buffers, ``modeling_common``).
 """
 
 from __future__ import annotations
@@ -70,6 +77,20 @@ def unrolled_step_mask(valid: torch.Tensor, step: int, dtype: torch.dtype) -> to
     return mask.masked_fill(~allowed, torch.finfo(dtype).min)[:, None]
 
 
+def widen_attention_inputs(layer: nn.Module, config: PreTrainedConfig) -> nn.Module:
+    """EAGLE-3: give the layer's q/k/v projections 2H inputs (embedding ⊕ hidden); returns the new ``hidden_norm``.
+
+    The layer is built here, by the drafter, so replacing its projections is construction, not patching."""
+    attention, hidden = layer.self_attn, config.hidden_size
+    for name in ("q_proj", "k_proj", "v_proj"):
+        old = getattr(attention, name, None)
+        if old is None or not hasattr(layer, "input_layernorm") or not hasattr(layer, "mlp"):
+            raise ValueError(f"architecture='eagle3' needs a Llama-style decoder layer (self_attn.q/k/v_proj, "
+                             f"input_layernorm, mlp); {type(layer).__name__} differs: use architecture='eagle1'.")
+        setattr(attention, name, nn.Linear(2 * hidden, old.out_features, bias=old.bias is not None))
+    return nn.RMSNorm(hidden, eps=getattr(config, "rms_norm_eps", 1e-6))
+
+
 class EagleDrafter(DraftHeadModel):
     """One base-architecture decoder layer over ``fc(concat(embed(token), feature))``; borrowed embedding + LM head.
 
@@ -86,14 +107,18 @@ class EagleDrafter(DraftHeadModel):
 
     def __init__(self, config: EagleConfig):
         super().__init__(config)
-        hidden = config.base_hidden_size
+        hidden, eagle3 = config.base_hidden_size, config.architecture == "eagle3"
         self.layer_config = layer_config(config)
         self.fuse = (nn.Linear(config.num_feature_layers * hidden, hidden, bias=False)
                      if config.num_feature_layers > 1 else None)
-        self.fc = nn.Linear(2 * hidden, hidden, bias=True)
+        self.fc = None if eagle3 else nn.Linear(2 * hidden, hidden, bias=True)
         self.layer = _compat.decoder_layer_class(self.layer_config)(self.layer_config, layer_idx=0)
+        self.hidden_norm = widen_attention_inputs(self.layer, self.layer_config) if eagle3 else None
         self.norm = nn.RMSNorm(hidden, eps=config.rms_norm_eps)
         self.rotary_emb = _compat.rotary_embedding_class(self.layer_config)(config=self.layer_config)
+        self.lm_head = (nn.Linear(hidden, config.draft_vocab_size, bias=False)
+                        if config.draft_vocab_size is not None else None)
+        self._init_draft_vocab(config.draft_vocab_size)
         self.post_init()
 
     # ---- features -------------------------------------------------------------------------------------------------
@@ -112,18 +137,35 @@ class EagleDrafter(DraftHeadModel):
 
         ``attention_mask``: additive [B, 1, T, S+T] or None for plain causal attention over ``cache`` + new rows.
         """
-        embeds = self.borrowed().embed_tokens(input_ids)                                   # [B, T, H]
-        hidden = self.fc(torch.cat([embeds.to(fused.dtype), fused], dim=-1))              # [B, T, H]
+        embeds = self.borrowed().embed_tokens(input_ids).to(fused.dtype)                  # [B, T, H]
         if attention_mask is None and input_ids.shape[1] > 1 and cache is not None and cache.get_seq_length() > 0:
             # sdpa's implicit causal mask is top-left aligned: wrong for several new rows after cached ones
             raise ValueError("Pass an explicit attention_mask when adding several rows to a non-empty drafter cache.")
+        rope = self.rotary_emb(fused, position_ids=position_ids)
+        if self.fc is None:
+            return self._eagle3_layer(embeds, fused, rope, attention_mask, cache)
+        hidden = self.fc(torch.cat([embeds, fused], dim=-1))                               # [B, T, H]
         return self.layer(hidden, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
-                          use_cache=cache is not None,
-                          position_embeddings=self.rotary_emb(hidden, position_ids=position_ids))
+                          use_cache=cache is not None, position_embeddings=rope)
+
+    def _eagle3_layer(self, embeds: torch.Tensor, fused: torch.Tensor, rope, attention_mask, cache) -> torch.Tensor:
+        """EAGLE-3's layer: embeds, fused [B, T, H] -> [B, T, H]; attention over the 2H-wide normalised pair."""
+        layer, normed = self.layer, self.hidden_norm(fused)
+        residual = normed if self.config.norm_before_residual else fused
+        pair = torch.cat([layer.input_layernorm(embeds), normed], dim=-1)                 # [B, T, 2H]
+        attended, _ = layer.self_attn(hidden_states=pair, position_embeddings=rope, attention_mask=attention_mask,
+                                      cache=cache)
+        hidden = residual + attended
+        return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+
+    def projection_weight(self) -> torch.Tensor:
+        """[N, H] the head's own draft-vocabulary projection, or the borrowed [V, H] LM head."""
+        return self.lm_head.weight if self.lm_head is not None else self.borrowed().lm_head.weight
 
     def logits(self, draft_hidden: torch.Tensor) -> torch.Tensor:
-        """g [B, T, H] -> logits [B, T, V] through the norm and the borrowed LM head."""
-        return torch.einsum("bth,vh->btv", self.norm(draft_hidden), self.borrowed().lm_head.weight)
+        """g [B, T, H] -> logits [B, T, V] through the norm and the borrowed LM head ([B, T, N] over draft ids
+        with a draft vocabulary: map the chosen columns with ``draft_to_target``)."""
+        return torch.einsum("bth,vh->btv", self.norm(draft_hidden), self.projection_weight())
 
     def forward(self, input_ids: torch.Tensor, features: torch.Tensor | None = None,
                 draft_hidden: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
