@@ -154,16 +154,19 @@ def keep_indices(accepted_nodes: torch.Tensor) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------- static trees
-# Greedy ``best_choices`` picks for the bundled SmolLM2-135M-Instruct Medusa heads. Node values come from the
-# heads' held-out top-1 (training_summary.json: 0.30, 0.17, 0.11, 0.09 for heads 0..3), read as a chance of 0.30 for
-# depth 1 and top1[d] / top1[d-1] for depth d given its parent, times 2**-r for top-k rank r (a product-of-
-# probabilities ranking; the per-rank decay is an assumption until rank-tuple frequencies are measured).
-SMALL_CHOICES: tuple[tuple[int, ...], ...] = (
-    (0,), (0, 0), (1,), (0, 0, 0), (0, 0, 0, 0), (0, 1), (1, 0), (2,), (0, 0, 1), (0, 1, 0),
-)
+# Measured for the bundled SmolLM2-135M-Instruct Medusa heads by ``scripts/measure_tree_choices.py`` (counts and cost
+# model committed in ``benchmarks/results/spec_tree_choices.json``): on the target's greedy answers to the 35
+# held-out chat prompts, the fraction of positions where each rank tuple is right along its whole path (the chance
+# greedy verification accepts that node), then ``best_choices`` per size. "small" (8 nodes, expected tau 1.71) is
+# the size of best expected tau / (c_v(N + 1) + heads' draft cost) among 8..10 nodes under the measured CPU cost
+# model (1 torch thread); "default" keeps the provisional lists' 26 nodes (expected tau 1.92, against 1.42 for the
+# 4-node chain). On that CPU the cost model prefers 19 nodes among 11..32 (``DEFAULT_CHOICES[:19]``, expected tau
+# 1.87) and 2 nodes overall (``[(0,), (1,)]``); hardware where extra verified nodes cost little (a GPU) would take
+# ``best_choices`` of the committed counts at a larger size.
+SMALL_CHOICES: tuple[tuple[int, ...], ...] = ((0,), (1,), (0, 0), (2,), (3,), (4,), (5,), (0, 1))
 DEFAULT_CHOICES: tuple[tuple[int, ...], ...] = (
-    *SMALL_CHOICES, (1, 0, 0), (0, 0, 0, 1), (0, 0, 1, 0), (0, 1, 0, 0), (1, 0, 0, 0), (0, 2), (1, 1), (2, 0),
-    (3,), (0, 0, 2), (0, 1, 1), (0, 2, 0), (1, 0, 1), (1, 1, 0), (2, 0, 0), (0, 0, 0, 2),
+    *SMALL_CHOICES, (7,), (0, 0, 0), (6,), (1, 0), (0, 2), (1, 1), (2, 0), (0, 3), (2, 1), (0, 0, 1), (0, 5),
+    (0, 4), (0, 0, 0, 0), (1, 2), (3, 0), (0, 6), (1, 3), (0, 7),
 )
 
 
