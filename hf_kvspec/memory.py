@@ -293,6 +293,27 @@ def kv_bytes_per_token(config, dtype: torch.dtype = torch.bfloat16) -> int:
     return sum(layer.elements_per_token for layer in layer_kv_specs(config)) * dtype_bytes(dtype)
 
 
+def sparse_view_bytes(config, batch_size: int, sink_tokens: int, window: int, num_draft_tokens: int,
+                      dtype: torch.dtype = torch.bfloat16) -> int:
+    """Bytes a streaming view (``SparseKVAssistant(view="streaming")``) holds while one round drafts:
+    ``sink_tokens + window`` gathered columns plus ``num_draft_tokens`` scratch tokens at full precision, per row.
+    It is dropped after the round, so the configuration's steady memory is the target's cache alone."""
+    return kv_cache_bytes(config, sink_tokens + window + num_draft_tokens, batch_size, dtype)
+
+
+def quantized_view_bytes(config, seq_len: int, batch_size: int = 1, dtype: torch.dtype = torch.bfloat16,
+                         bits: int = 4, group_size: int = 64, residual_length: int = 128, sink_tokens: int = 0) -> int:
+    """Bytes of the codes ``SparseKVAssistant(view="quantized")`` keeps *beside* the target's full-precision cache
+    (a ``QuantizedKVCache`` shadow of the same ``seq_len`` tokens; its defaults): sinks and residual window in
+    ``dtype``, the rest at ``b + 32/G`` bits per element. The configuration holds ``kv_cache_bytes(config, seq_len,
+    batch_size, dtype)`` + this, i.e. ``1 + (b + 32/G) / (8 * dtype_bytes)`` of the plain cache for long contexts
+    (fp32, b=4, G=64: 1.14x), whereas a plain ``QuantizedKVCache`` holds only this part: exact verification needs
+    the full-precision K/V (``speculative/drafters/sparse_kv.py``)."""
+    sinks = min(seq_len, sink_tokens)
+    return (kv_cache_bytes(config, seq_len - sinks, batch_size, dtype, bits=bits, group_size=group_size,
+                           residual_length=residual_length) + kv_cache_bytes(config, sinks, batch_size, dtype))
+
+
 def parameter_bytes(config, dtype: torch.dtype = torch.bfloat16) -> int:
     """Approximate weight bytes of a model built from ``config`` (meta-device init, no allocation)."""
     from transformers import AutoModelForCausalLM

@@ -26,6 +26,7 @@ SUBCOMMANDS: dict[str, str] = {
     "attention": "bench.attention",
     "kvquant": "bench.kvquant",
     "spec": "bench.spec",
+    "longctx": "bench.longctx",
 }
 
 

@@ -10,6 +10,7 @@ from transformers import DynamicCache
 
 import hf_kvspec
 from hf_kvspec.cache.paged import PagedCache
+from hf_kvspec.memory import quantized_view_bytes
 from hf_kvspec.speculative.drafters.sparse_kv import SparseKVAssistant
 from tests.speculative import test_sampling as sampling_refs
 from tests.tiny_models import left_padded_batch, tiny_model
@@ -44,8 +45,13 @@ def test_greedy_token_identity(view, size):
     assistant = _assistant(view, sink_tokens=2, window=6, num_draft_tokens=3)
     assert torch.equal(_generate(model, ids, mask, assistant), expected)
     assert assistant.stats.rounds > 1 and 0 < assistant.stats.mean_acceptance < 1  # drafts kept and rejected
-    if view == "quantized":
-        assert assistant.view_bytes() > 0
+    if view == "quantized" and size == 1:  # (bs 3: finished rows leave the shadow) the shadow holds what hf_kvspec.memory says: a draft (K=3 < G=4 tokens) may have
+        # flushed one group early, which the crop does not undo (crop rule of QuantizedKVCache), so the window
+        # holds between R - G and R tokens
+        length, settings = assistant.last_view_tokens, dict(QUANT, residual_length=QUANT["residual_length"] - 4)
+        low = quantized_view_bytes(model.config, length, size, torch.float32, sink_tokens=2, **settings)
+        high = quantized_view_bytes(model.config, length, size, torch.float32, sink_tokens=2, **QUANT)
+        assert low <= assistant.view_bytes() <= high
 
 
 def test_greedy_identity_on_paged_cache_without_block_leaks():

@@ -72,7 +72,7 @@ class SparseKVAssistant(Drafter):
         self.quant = dict(bits=bits, group_size=group_size, residual_length=residual_length)
         self.model = None
         self.shadow = None  # view="quantized": QuantizedKVCache of the committed columns
-        self.last_view_bytes = 0
+        self.last_view_bytes = self.last_view_tokens = 0
 
     def begin(self, target, buffer, target_hidden=None) -> None:
         super().begin(target, buffer, target_hidden)
@@ -156,7 +156,8 @@ class SparseKVAssistant(Drafter):
         return self.shadow.nbytes() if self.shadow is not None else self.last_view_bytes
 
     def end(self) -> None:
-        self.last_view_bytes = self.shadow.nbytes() if self.shadow is not None else 0
+        if self.shadow is not None:
+            self.last_view_bytes, self.last_view_tokens = self.shadow.nbytes(), self.shadow.get_seq_length()
         self.shadow = None
 
 
