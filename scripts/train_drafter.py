@@ -43,6 +43,7 @@ from hf_kvspec.heads.features import CachedFeatures, collate, extract_to_cache, 
 from hf_kvspec.heads.modeling_eagle import EagleDrafter
 from hf_kvspec.heads.modeling_medusa import MedusaHeads
 from hf_kvspec.heads.objectives import TrainingObjective, TrainingVocabulary
+from hf_kvspec.heads.trained_vocab import HeadVocabulary, init_draft_vocab, most_frequent_labels
 from hf_kvspec.heads.pairing import base_model_fingerprint
 
 
@@ -56,6 +57,10 @@ class ModelArguments:
     medusa_own_lm_head: bool = field(default=False, metadata={"help": "give each Medusa head its own [V, H] head"})
     feature_layers: list[int] = field(default_factory=lambda: [-1],
                                       metadata={"help": "EAGLE feature layers (several = EAGLE-3 fusion)"})
+    architecture: str = field(default="eagle1", metadata={"help": "EAGLE layer: eagle1 or eagle3 (exportable to "
+                                                                  "vLLM/SGLang)", "choices": ["eagle1", "eagle3"]})
+    draft_vocab_size: int | None = field(default=None, metadata={
+        "help": "EAGLE: train the head's own LM projection over the N most frequent target tokens (d2t/t2d saved)"})
 
 
 @dataclass
@@ -192,8 +197,9 @@ def build_head(m: ModelArguments, target, recorded_name: str):
         config = MedusaConfig.for_base_model(target, recorded_name, num_heads=m.num_heads, num_layers=m.num_layers,
                                              share_lm_head=not m.medusa_own_lm_head)
         return MedusaHeads(config).attach(target)
-    return EagleDrafter(EagleConfig.for_base_model(target, recorded_name, feature_layers=m.feature_layers)).attach(
-        target)
+    return EagleDrafter(EagleConfig.for_base_model(target, recorded_name, feature_layers=m.feature_layers,
+                                                   architecture=m.architecture,
+                                                   draft_vocab_size=m.draft_vocab_size)).attach(target)
 
 
 def feature_layers(m: ModelArguments) -> list[int]:
@@ -430,6 +436,9 @@ def main(argv: list[str] | None = None) -> None:
     head = build_head(m, target, recorded_name)
     vocab = (TrainingVocabulary(target.config.vocab_size) if t.train_vocab == "full" else
              TrainingVocabulary.from_label_counts(dataset, target.config.vocab_size, t.train_vocab_size))
+    if getattr(head, "has_draft_vocab", False):  # EAGLE-3 draft vocabulary: train the head's own [N, H] projection
+        init_draft_vocab(head, most_frequent_labels(dataset, target.config.vocab_size, m.draft_vocab_size))
+        vocab = HeadVocabulary(head)
     objective = TrainingObjective(head, vocab, d.label_source, t.unroll_steps, t.feature_loss_weight, t.loss_decay)
     record = RunRecord(commands=["accelerate launch scripts/train_drafter.py " + shlex.join(argv)])
     train(m, d, t, accelerator, objective, dataset, target, record)

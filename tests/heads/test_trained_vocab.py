@@ -1,0 +1,47 @@
+"""Training with an EAGLE-3 draft vocabulary: ids chosen by label frequency, own projection trained, buffers saved."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+from hf_kvspec.heads.modeling_eagle import EagleDrafter
+from hf_kvspec.heads.trained_vocab import most_frequent_labels, projection_cost
+from tests.heads.tiny_base import save_tiny_base, write_tiny_corpus
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "train_drafter.py"
+
+
+def test_most_frequent_labels_counts_data_and_predictions():
+    data = [{"input_ids": [3, 3, 5], "target_tokens": torch.tensor([5, 5, 7])}, {"input_ids": [7, 1]}]
+    # counts: 5 -> 3, 3 -> 2, 7 -> 2, 1 -> 1; ties by ascending id, then unseen ids
+    assert most_frequent_labels(data, 10, 6).tolist() == [5, 3, 7, 1, 0, 2]
+
+
+def test_projection_cost_smollm2():
+    cost = projection_cost(576, 49152, 8192)
+    assert cost["full_flops_per_row"] == 2 * 576 * 49152 and cost["flops_per_row"] == 2 * 576 * 8192
+    assert cost["saving"] == 6.0 and cost["weight_bytes"] == 8192 * 576 * 2
+
+
+def test_train_drafter_with_draft_vocab(tmp_path):
+    sys.path.insert(0, str(SCRIPT.parent))
+    import train_drafter
+
+    save_tiny_base(tmp_path / "base")
+    write_tiny_corpus(tmp_path / "corpus.txt")
+    train_drafter.main(["--head", "eagle", "--architecture", "eagle3", "--feature_layers", "1", "2",
+                        "--draft_vocab_size", "20", "--base_model", str(tmp_path / "base"), "--dataset",
+                        str(tmp_path / "corpus.txt"), "--label_source", "data", "--max_steps", "3",
+                        "--per_device_batch_size", "4", "--learning_rate", "1e-2", "--warmup_steps", "1",
+                        "--num_threads", "1", "--data_cache_dir", str(tmp_path / "cache"),
+                        "--output_dir", str(tmp_path / "out")])
+    head = EagleDrafter.from_pretrained(tmp_path / "out")
+    assert head.config.draft_vocab_size == 20 and head.lm_head.weight.shape[0] == 20
+    assert int(head.t2d.sum()) == 20 and torch.equal(head.draft_vocab_ids(), torch.nonzero(head.t2d).flatten())
+    from tests.heads.tiny_base import char_tokenizer
+
+    corpus_ids = set(char_tokenizer()((tmp_path / "corpus.txt").read_text())["input_ids"])
+    assert len(corpus_ids) < 20 and corpus_ids <= set(head.draft_vocab_ids().tolist())  # every data token kept
