@@ -32,7 +32,7 @@ def draft_tokens(head, features: torch.Tensor, input_ids: torch.Tensor, depth: i
     valid = torch.ones_like(input_ids, dtype=torch.bool)
     steps = head.unrolled(next_ids, features.to(head.dtype), valid, depth)
     for k, hidden in enumerate(steps):
-        drafts[k, start:] = head.logits(hidden[:, start:])[0].argmax(-1)
+        drafts[k, start:] = head.draft_to_target(head.logits(hidden[:, start:])[0].argmax(-1))  # draft -> target ids
     return drafts
 
 

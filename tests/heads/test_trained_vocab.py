@@ -45,3 +45,21 @@ def test_train_drafter_with_draft_vocab(tmp_path):
 
     corpus_ids = set(char_tokenizer()((tmp_path / "corpus.txt").read_text())["input_ids"])
     assert len(corpus_ids) < 20 and corpus_ids <= set(head.draft_vocab_ids().tolist())  # every data token kept
+
+
+def test_held_out_drafts_are_target_ids(tmp_path):
+    # evaluation compares drafts with the target's tokens, so a draft-vocabulary head's ids must be mapped back
+    from transformers import AutoModelForCausalLM
+
+    from hf_kvspec.heads.evaluation import draft_tokens
+    from hf_kvspec.heads.features import target_features
+
+    base = AutoModelForCausalLM.from_pretrained(save_tiny_base(tmp_path / "base")).eval()
+    head = EagleDrafter(EagleDrafter.config_class.for_base_model(base, feature_layers=[1, 2], architecture="eagle3",
+                                                                 draft_vocab_size=6)).attach(base).eval()
+    head.set_draft_vocab(torch.tensor([40, 41, 42, 43, 44, 45]))
+    ids = torch.tensor([[1, 2, 3, 4, 5, 6]])
+    with torch.no_grad():
+        features, _ = target_features(base, ids, torch.ones_like(ids, dtype=torch.bool), head.config.feature_layers)
+        drafts = draft_tokens(head, features, ids, depth=2)
+    assert set(drafts.flatten().tolist()) <= {40, 41, 42, 43, 44, 45}
