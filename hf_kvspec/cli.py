@@ -115,7 +115,7 @@ def _run_memory(args) -> None:
 
 def _add_generate(subparsers) -> None:
     from hf_kvspec.cache.factory import CACHE_CHOICES
-    from hf_kvspec.speculative.assistants import ASSISTANT_HELP
+    from hf_kvspec.speculative.assistants import ASSISTANT_HELP, HEAD_ASSISTANTS, TREES
 
     p = subparsers.add_parser("generate", help="stream an answer from the bundled model, then print stats")
     p.add_argument("prompt")
@@ -125,9 +125,20 @@ def _add_generate(subparsers) -> None:
     p.add_argument("--model", default="smollm2-135m-instruct", help="bundled model name")
     p.add_argument("--threads", type=_count(1), default=2)
     p.add_argument("--no-chat", action="store_true", help="feed the prompt raw, without the chat template")
-    p.add_argument("--assistant", default=None, help=f"speculative decoding drafter: {ASSISTANT_HELP}")
+    p.add_argument("--assistant", default=None,
+                   help=f"speculative decoding drafter: {' | '.join(HEAD_ASSISTANTS)} (the bundled trained heads) | "
+                        f"{ASSISTANT_HELP}")
     p.add_argument("--num-draft-tokens", type=_draft_tokens, default=None,
-                   help="with --assistant: draft tokens per round (K), or 'auto' (default 4)")
+                   help="with --assistant: draft tokens per round (K; tree nodes for medusa/eagle), or 'auto' "
+                        "(default 4; medusa/eagle: the tree's size)")
+    p.add_argument("--tree", default=None, choices=TREES,
+                   help="with --assistant medusa|eagle: static tree (default, small), chain, or EAGLE-2 dynamic "
+                        "(default: medusa default, eagle dynamic)")
+    p.add_argument("--draft-vocab-size", type=_count(1), default=None,
+                   help="with --assistant medusa|eagle: draft only the N most frequent tokens (FR-Spec; exact)")
+    p.add_argument("--compare-plain", action="store_true",
+                   help="with --assistant: also decode plainly and print a side-by-side table (tokens/s, tau, "
+                        "per-depth acceptance, identical output)")
     kernels = p.add_mutually_exclusive_group()
     kernels.add_argument("--decode-kernels", action="store_true",
                          help="with --assistant: use hf_kvspec's measured CPU decode kernels for small-row linear "
@@ -138,22 +149,44 @@ def _add_generate(subparsers) -> None:
 
 
 def _check_generate(parser, args) -> None:
+    from hf_kvspec.speculative.assistants import HEAD_ASSISTANTS
+
+    heads = args.assistant in HEAD_ASSISTANTS
     if args.assistant is None:
         given = [flag for flag, on in (("--num-draft-tokens", args.num_draft_tokens is not None),
                                        ("--decode-kernels", args.decode_kernels),
-                                       ("--stock-kernels", args.stock_kernels)) if on]
+                                       ("--stock-kernels", args.stock_kernels),
+                                       ("--compare-plain", args.compare_plain)) if on]
         if given:
             parser.error(f"{' and '.join(given)} apply to speculative decoding; add --assistant "
-                         "(e.g. --assistant ngram) or drop them.")
+                         "(e.g. --assistant eagle) or drop them.")
     else:
-        problem = _assistant_problem(args.assistant)
+        problem = _head_problem(args) if heads else _assistant_problem(args.assistant)
         if problem:
             parser.error(f"--assistant: {problem}")
-    args.num_draft_tokens = 4 if args.num_draft_tokens is None else args.num_draft_tokens
+    if not heads:
+        given = [flag for flag, on in (("--tree", args.tree is not None),
+                                       ("--draft-vocab-size", args.draft_vocab_size is not None)) if on]
+        if given:
+            parser.error(f"{' and '.join(given)} apply to the bundled heads; add --assistant medusa or "
+                         "--assistant eagle, or drop them.")
+    if args.num_draft_tokens is None and not heads:
+        args.num_draft_tokens = 4
     from hf_kvspec.models import BUNDLED_MODELS
 
     if args.model not in BUNDLED_MODELS:
         parser.error(f"--model {args.model!r} is not a bundled model; choose one of {', '.join(BUNDLED_MODELS)}.")
+
+
+def _head_problem(args) -> str | None:
+    """What is wrong with ``--assistant medusa|eagle`` and its tree options (``assistants.check_head_options``)."""
+    from hf_kvspec.speculative.assistants import check_head_options
+
+    try:
+        check_head_options(args.assistant, args.tree, args.draft_vocab_size)
+    except ValueError as err:
+        return str(err)
+    return None
 
 
 def _assistant_problem(spec: str) -> str | None:
@@ -190,24 +223,64 @@ def _run_generate(args) -> None:
     sampling = {"do_sample": True, "temperature": args.temperature} if args.temperature > 0 else {"do_sample": False}
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
     speculative = _speculative_kwargs(args, model)
-    start = time.perf_counter()
-    with torch.inference_mode():
-        out = model.generate(**inputs, cache=cache, max_new_tokens=args.max_new_tokens, streamer=streamer,
-                             return_dict_in_generate=True, **sampling, **speculative)
-    elapsed = time.perf_counter() - start
+    plain = None
+    if args.compare_plain:  # first, so both runs find the model warm
+        print("plain decoding (reference, not shown) ...", flush=True)
+        fresh = make_cache(args.cache, model.config, max_tokens=inputs["input_ids"].shape[1] + args.max_new_tokens)
+        plain = _timed(model, inputs, fresh, args.max_new_tokens, sampling, {})
+    out, elapsed = _timed(model, inputs, cache, args.max_new_tokens, sampling, speculative, streamer=streamer)
     new_tokens = out.sequences.shape[1] - inputs["input_ids"].shape[1]
     _print_stats(new_tokens, elapsed, kv_bytes=cache_nbytes(out.cache or cache), cache_name=args.cache,
                  acceptance=getattr(out, "acceptance", None))
+    if plain is not None:
+        _print_comparison(args.assistant, out, elapsed, *plain, inputs["input_ids"].shape[1],
+                          greedy=not sampling["do_sample"])
+
+
+def _timed(model, inputs, cache, max_new_tokens, sampling, speculative, streamer=None):
+    """One ``generate`` call -> (output, seconds)."""
+    import torch
+
+    start = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(**inputs, cache=cache, max_new_tokens=max_new_tokens, streamer=streamer,
+                             return_dict_in_generate=True, **sampling, **speculative)
+    return out, time.perf_counter() - start
+
+
+def _print_comparison(name, out, elapsed, plain_out, plain_elapsed, prompt_len, greedy) -> None:
+    """Side-by-side table: plain decoding vs the assistant on the same prompt."""
+    stats = out.acceptance
+    new, plain_new = out.sequences.shape[1] - prompt_len, plain_out.sequences.shape[1] - prompt_len
+    same = "yes" if out.sequences.tolist() == plain_out.sequences.tolist() else "no"
+    rows = [
+        ("", "plain", name),
+        ("new tokens", f"{plain_new}", f"{new}"),
+        ("seconds", f"{plain_elapsed:.2f}", f"{elapsed:.2f}"),
+        ("tokens/s", f"{plain_new / plain_elapsed:.2f}", f"{new / elapsed:.2f}"),
+        ("speed-up", "1.00x", f"{(new / elapsed) / (plain_new / plain_elapsed):.2f}x"),
+        ("tau (tokens per target forward)", "1.00", f"{stats.tokens_per_target_forward:.2f}"),
+        ("acceptance per depth", "-", " ".join(f"{r:.2f}" for r in stats.acceptance_rate) or "-"),
+        ("identical output", "-", same if greedy else f"{same} (sampled: differs by chance)"),
+    ]
+    left = max(len(r[0]) for r in rows)
+    middle = max(len(r[1]) for r in rows)
+    print()
+    for key, a, b in rows:
+        print(f"{key:<{left}}  {a:>{middle}}  {b}")
 
 
 def _speculative_kwargs(args, model) -> dict:
     if args.assistant is None:
         return {}
-    from hf_kvspec.speculative.assistants import make_assistant
+    from hf_kvspec.speculative.assistants import HEAD_ASSISTANTS, make_assistant, make_head_assistant
     from hf_kvspec.speculative.loop import speculative_generate
 
-    num_draft_tokens = 4 if args.num_draft_tokens is None else args.num_draft_tokens
-    assistant = make_assistant(args.assistant, model, num_draft_tokens)
+    if args.assistant in HEAD_ASSISTANTS:
+        assistant = make_head_assistant(args.assistant, model, args.tree, args.num_draft_tokens, args.draft_vocab_size)
+    else:
+        num_draft_tokens = 4 if args.num_draft_tokens is None else args.num_draft_tokens
+        assistant = make_assistant(args.assistant, model, num_draft_tokens)
     return {"custom_generate": speculative_generate, "assistant": assistant, "decode_kernels": args.decode_kernels}
 
 

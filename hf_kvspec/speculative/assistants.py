@@ -10,6 +10,12 @@ Boundary: maps names to drafter constructors; knows nothing about the decode loo
 
 ``check_spec`` parses a spec without loading anything (the CLI calls it before the model loads); ``~`` in a
 directory is expanded.
+
+The trained heads shipped for the bundled model are built by ``make_head_assistant`` (the CLI's ``--assistant
+medusa|eagle``), with their own options (tree, draft vocabulary) checked by ``check_head_options``:
+
+    medusa                  MedusaAssistant(load_bundled_heads("medusa"), tree="default")
+    eagle                   EagleAssistant(load_bundled_heads("eagle"), tree="dynamic")
 """
 
 from __future__ import annotations
@@ -18,6 +24,39 @@ from pathlib import Path
 
 ASSISTANT_HELP = ("ngram | draft:<causal LM dir> | draft:truncated:<N layers of the target> | early_exit[:E] | "
                   "layer_skip")
+HEAD_ASSISTANTS = ("medusa", "eagle")
+TREES = ("default", "small", "chain", "dynamic")
+
+
+def check_head_options(kind: str, tree: str | None = None, draft_vocab_size: int | None = None) -> str:
+    """Check a bundled-head assistant's options without loading anything; returns the tree to use (``None``:
+    Medusa's ``"default"`` static tree, EAGLE's ``"dynamic"`` one)."""
+    if kind not in HEAD_ASSISTANTS:
+        raise ValueError(f"bundled heads are {' or '.join(HEAD_ASSISTANTS)}, got {kind!r}")
+    tree = tree or ("default" if kind == "medusa" else "dynamic")
+    if tree not in TREES:
+        raise ValueError(f"tree must be one of {', '.join(TREES)}, got {tree!r}")
+    if tree == "dynamic" and kind == "medusa":
+        raise ValueError("a dynamic tree is grown from EAGLE's own draft confidence; Medusa takes default, small or "
+                         "chain (or use --assistant eagle)")
+    if draft_vocab_size is not None and (isinstance(draft_vocab_size, bool) or not isinstance(draft_vocab_size, int)
+                                         or draft_vocab_size < 1):
+        raise ValueError(f"draft_vocab_size must be a positive int, got {draft_vocab_size!r}")
+    return tree
+
+
+def make_head_assistant(kind: str, target, tree: str | None = None, num_draft_tokens: int | str | None = None,
+                        draft_vocab_size: int | None = None):
+    """``MedusaAssistant``/``EagleAssistant`` over the heads shipped for the bundled model (attached to ``target``
+    on the first call, pairing checked); ``num_draft_tokens`` None = the tree's size, or ``"auto"``."""
+    tree = check_head_options(kind, tree, draft_vocab_size)
+    from hf_kvspec.heads.bundled import load_bundled_heads
+    from hf_kvspec.speculative.drafters.eagle import EagleAssistant
+    from hf_kvspec.speculative.drafters.medusa import MedusaAssistant
+
+    heads = load_bundled_heads(kind, dtype=target.dtype)
+    assistant = MedusaAssistant if kind == "medusa" else EagleAssistant
+    return assistant(heads, tree=tree, num_draft_tokens=num_draft_tokens, draft_vocab_size=draft_vocab_size)
 
 
 def check_spec(spec: str) -> tuple[str, int | Path | None]:

@@ -297,9 +297,9 @@ class SpeculativeDecoder:
         # per position j of a chain, per depth j + 1 of a tree
         num_draft = plan.num_draft
         accepted = result.num_accepted[alive]
-        per_position = [int((accepted > j).sum()) for j in range(num_draft)]
+        per_position = [int((accepted > j).sum()) for j in range(plan.depth)]
         self.stats.record_round(num_draft, int(alive.sum()), int(keep.sum()), per_position, draft_s, verify_s,
-                                plan.proposal.draft_forwards)
+                                plan.proposal.draft_forwards, depth=plan.depth)
         num_accepted, live, nodes = self.rows.take_all(result.num_accepted, alive, result.accepted_nodes)
         self.assistant.observe(RoundOutcome(self.buffer.width - 1, num_accepted, live, num_draft, draft_s, verify_s,
                                             hidden, prompt_tokens, accepted_nodes=nodes))

@@ -103,6 +103,7 @@ class ChainRound:
     def __init__(self, proposal: DraftProposal):
         self.proposal = proposal
         self.num_draft = proposal.tokens.shape[1]
+        self.depth = self.num_draft  # deepest path (telemetry counts acceptance per depth)
 
     def forward_inputs(self, buffer, fed: int, rows, cache, dtype) -> dict:
         """Model kwargs (active rows) over buffer columns ``fed..W-1`` (the root, or the prompt + root in a first
@@ -143,6 +144,7 @@ class TreeRound:
         self.proposal = proposal
         self.num_draft = proposal.tokens.shape[1]
         self.tree = CandidateTree.build(proposal.tokens, proposal.parents)  # [B, N] tokens, parents, depth
+        self.depth = self.tree.max_depth  # deepest path (telemetry counts acceptance per depth)
 
     def forward_inputs(self, buffer, fed: int, rows, cache, dtype) -> dict:
         """Model kwargs (active rows) over the root and the nodes; the cache must hold the ``W - 1`` other

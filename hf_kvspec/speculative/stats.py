@@ -10,7 +10,8 @@ one token is not counted (``prefill_forwards``):
                                     Plain decoding has tau = 1; Leviathan et al. 2211.17192 call it the
                                     expected number of tokens per iteration, (1 - a^(K+1)) / (1 - a).
     acceptance_rate[j]               drafts accepted at position j / drafts offered at position j; position j is
-                                    reached only when positions < j were accepted.
+                                    reached only when positions < j were accepted. For trees, position j is
+                                    depth j + 1: rows that kept depth j + 1 / rows that kept depth j.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ class AcceptanceStats:
     draft_time_s: float = 0.0
     verify_time_s: float = 0.0
     draft_lengths: list[int] = field(default_factory=list)  # K used by each round (auto K shows its choices)
-    lossy_rules: list[str] = field(default_factory=list)  # names of any lossy acceptance rule used (none ship)
+    lossy_rules: list[str] = field(default_factory=list)  # names of lossy acceptance rules used (asked for)
 
     @property
     def target_forwards(self) -> int:
@@ -66,8 +67,9 @@ class AcceptanceStats:
         return self.rounds == 0
 
     def record_round(self, num_draft: int, alive: int, emitted: int, accepted_per_position: list[int],
-                     draft_time_s: float, verify_time_s: float, draft_forwards: int) -> None:
-        """Add one round; ``accepted_per_position[j]`` counts rows that kept draft j (so also offered j + 1)."""
+                     draft_time_s: float, verify_time_s: float, draft_forwards: int, depth: int | None = None) -> None:
+        """Add one round; ``accepted_per_position[j]`` counts rows that kept draft j (so also offered j + 1); a
+        tree of ``num_draft`` nodes counts per depth, ``depth`` deep (a chain: ``depth = num_draft``)."""
         self.rounds += 1
         self.row_rounds += alive
         self.fallback_rounds += num_draft == 0
@@ -76,7 +78,7 @@ class AcceptanceStats:
         self.draft_time_s += draft_time_s
         self.verify_time_s += verify_time_s
         self.draft_lengths.append(num_draft)
-        offered = [alive, *accepted_per_position[:-1]][:num_draft]
+        offered = [alive, *accepted_per_position[:-1]][:num_draft if depth is None else depth]
         self._extend(len(offered))
         for j, (d, a) in enumerate(zip(offered, accepted_per_position)):
             self.drafted[j] += d

@@ -151,7 +151,7 @@ ASSISTANTS = {
     "medusa-chain": (lambda t, ref: OracleMedusa(medusa_heads(t), ref, (0, 0, 0, 0), tree="chain") if ref is not None
                      else MedusaAssistant(medusa_heads(t), tree="chain"), 3.0),
     "medusa-default": (lambda t, ref: OracleMedusa(medusa_heads(t), ref, (1, 0, 0, 0)) if ref is not None
-                       else MedusaAssistant(medusa_heads(t)), 3.0),
+                       else MedusaAssistant(medusa_heads(t)), 2.5),
     "eagle-chain": (lambda t, ref: OracleEagle(eagle_head(t), ref, second=False, tree="chain", depth=4)
                     if ref is not None else EagleAssistant(eagle_head(t), tree="chain", depth=4), 3.0),
     "eagle-static": (lambda t, ref: OracleEagle(eagle_head(t), ref, tree=[(0,), (1,), (1, 1), (1, 1, 1), (0, 0)])
@@ -175,8 +175,8 @@ def test_heads_through_the_loop_match_plain_greedy(target, kind, heads, bs, cach
     stats = assistant.stats
     if heads == "oracle":  # whole oracle paths accepted (the last rounds are cut short by max_new_tokens)
         assert stats.tokens_per_target_forward >= least_tau and stats.acceptance_rate[0] > 0.9
-    else:
-        assert stats.mean_acceptance < 0.2
+    else:  # a few lucky depth-1 hits among the tree's candidates (96-token vocabulary)
+        assert stats.tokens_per_target_forward < 1.6
 
 
 def _forward_kwargs(model):
