@@ -55,10 +55,15 @@ class Conversation:
 
 def chat_prompt_ids(tokenizer, prompt: str) -> list[int]:
     """Token ids of a one-turn user message plus the assistant header (the tokenizer's chat template)."""
+    return chat_ids(tokenizer, [{"role": "user", "content": prompt}])
+
+
+def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """Token ids of a chat (``[{"role", "content"}, ...]``) plus the assistant header; without a chat template, the
+    turns' contents joined by blank lines."""
     if tokenizer.chat_template is None:
-        return tokenizer(prompt, add_special_tokens=True)["input_ids"]
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                        tokenize=True)
+        return tokenizer("\n\n".join(m["content"] for m in messages), add_special_tokens=True)["input_ids"]
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
 
@@ -76,7 +81,7 @@ def _load_cache(path: Path) -> dict[str, list[int]]:
 
 
 @torch.no_grad()
-def _generate_batch(model, batch: list[list[int]], pad_id: int, settings: DistillSettings) -> list[list[int]]:
+def generate_batch(model, batch: list[list[int]], pad_id: int, settings: DistillSettings) -> list[list[int]]:
     """Left-padded batched ``generate``; returns each row's new tokens, cut after its first EOS."""
     width = max(map(len, batch))
     ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
@@ -119,7 +124,7 @@ def self_distill(model, tokenizer, prompts: list[str], cache_file: str | Path, f
     with cache_file.open("a") as sink:
         for start in range(0, len(todo), settings.batch_size):
             chunk = todo[start:start + settings.batch_size]  # similar lengths together: little padding
-            for (key, _), response in zip(chunk, _generate_batch(model, [ids for _, ids in chunk], pad_id, settings)):
+            for (key, _), response in zip(chunk, generate_batch(model, [ids for _, ids in chunk], pad_id, settings)):
                 cache[key] = response
                 sink.write(json.dumps({"key": key, "response_ids": response}) + "\n")
             sink.flush()

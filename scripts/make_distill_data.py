@@ -1,0 +1,99 @@
+"""Write diverse self-distilled chat data for training draft heads: self-instruct requests written by the target,
+reading tasks over offline corpora, greedy and sampled answers, follow-up turns (``hf_kvspec.heads.self_instruct``).
+
+Run (the bundled model, one CPU thread; generation is cached, so an interrupted run continues where it stopped):
+
+    python scripts/make_distill_data.py --base_model bundled --num_requests 200 --num_reading 100 \
+        --output runs/drafter_data/distill_chats.jsonl --num_threads 1
+
+    python scripts/make_distill_data.py --base_model bundled --max_items 64 ...   # stop after ~64 new items
+    python scripts/make_distill_data.py --base_model bundled --sample 50 --sample_output \
+        scripts/train_configs/distill_chats_sample.jsonl ...                      # also keep a small sample
+
+Writes ``--output`` (JSONL, one chat per line: ``messages``, ``source``, ``answer``) and ``<output>.recipe.json``
+(settings, counts, duplicate rate), which ``scripts/train_drafter.py --dataset <output>`` reads and puts in the
+model card. Every user turn is checked against ``--held_out`` (prompts, topics, templates) before anything is
+written; leaking candidates are dropped during generation and counted in the recipe.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from transformers import HfArgumentParser
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from train_drafter import load_target  # noqa: E402  (same loading rules as the trainer)
+
+from hf_kvspec.heads.data import HeldOut  # noqa: E402
+from hf_kvspec.heads.pairing import base_model_fingerprint  # noqa: E402
+from hf_kvspec.heads.self_instruct import RecipeSettings, build_distill_data, write_data  # noqa: E402
+
+
+@dataclass
+class Arguments:
+    base_model: str = field(default="bundled", metadata={"help": "bundled[:NAME], a local path or a Hub id"})
+    output: str = "runs/drafter_data/distill_chats.jsonl"
+    cache_file: str | None = field(default=None, metadata={"help": "default: <output>.cache.jsonl"})
+    held_out: str = str(HERE / "train_configs" / "chat_prompts_heldout.jsonl")
+    seed: int = 0
+    num_requests: int = 200
+    num_reading: int = 100
+    corpora: list[str] = field(default_factory=lambda: ["python-docs", "python-stdlib"])
+    follow_up_fraction: float = 0.5
+    sampled_answers: bool = True
+    request_temperature: float = 1.0
+    answer_temperature: float = 0.7
+    request_max_new_tokens: int = 40
+    answer_max_new_tokens: int = 128
+    batch_size: int = 16
+    max_items: int | None = field(default=None, metadata={"help": "stop after about this many new generations"})
+    num_threads: int | None = None
+    sample: int = field(default=0, metadata={"help": "also write this many random rows to --sample_output"})
+    sample_output: str | None = None
+
+
+def settings_from(args: Arguments) -> RecipeSettings:
+    return RecipeSettings(seed=args.seed, num_requests=args.num_requests, num_reading=args.num_reading,
+                          corpora=tuple(args.corpora), follow_up_fraction=args.follow_up_fraction,
+                          sampled_answers=args.sampled_answers, request_temperature=args.request_temperature,
+                          answer_temperature=args.answer_temperature,
+                          request_max_new_tokens=args.request_max_new_tokens,
+                          answer_max_new_tokens=args.answer_max_new_tokens, batch_size=args.batch_size)
+
+
+def main(argv: list[str] | None = None) -> int:
+    (args,) = HfArgumentParser(Arguments).parse_args_into_dataclasses(args=argv)
+    if args.num_threads:
+        torch.set_num_threads(args.num_threads)
+    model, tokenizer, recorded, _ = load_target(args.base_model)
+    held_out = HeldOut.from_file(args.held_out)
+    cache_file = args.cache_file or args.output + ".cache.jsonl"
+    started = time.time()
+    data = build_distill_data(model, tokenizer, cache_file, base_model_fingerprint(model), held_out,
+                              settings_from(args), args.max_items)
+    seconds = round(time.time() - started, 1)
+    if not data.complete:
+        print(f"stopped after --max_items {args.max_items} new generations ({seconds} s); run the same command "
+              f"again to continue from {cache_file}")
+        return 0
+    data.recipe.update(base_model=recorded, held_out=args.held_out, seconds_this_run=seconds,
+                       command="python scripts/make_distill_data.py " + " ".join(argv or sys.argv[1:]))
+    write_data(data, args.output)
+    if args.sample and args.sample_output:
+        rows = random.Random(args.seed).sample(data.rows, min(args.sample, len(data.rows)))
+        Path(args.sample_output).write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+    print(json.dumps({k: data.recipe[k] for k in ("self_instruct", "reading", "follow_ups", "rows")}, indent=1))
+    print(f"{len(data.rows)} chats -> {args.output} ({seconds} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,141 @@
+"""Diverse self-distilled data: the held-out check refuses leaks, generation is deterministic for a fixed seed, a run
+stopped part way (``max_items``) and resumed equals an uninterrupted one, and chats become examples correctly."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from hf_kvspec.heads import self_instruct
+from hf_kvspec.heads.data import HeldOut, HeldOutLeakError, message_example, read_prompts
+from hf_kvspec.heads.distill import chat_ids
+from hf_kvspec.heads.reading_tasks import documented_functions, prose_paragraphs, reading_tasks
+from hf_kvspec.heads.self_instruct import RecipeSettings, build_distill_data, clean_request
+from tests.heads.tiny_base import char_tokenizer
+from tests.tiny_models import tiny_model
+
+CONFIGS = Path(__file__).resolve().parents[2] / "scripts" / "train_configs"
+HELD_OUT_FILE = CONFIGS / "chat_prompts_heldout.jsonl"
+SETTINGS = RecipeSettings(seed=3, num_requests=6, num_reading=3, corpora=("python-stdlib",), follow_up_fraction=0.5,
+                          request_max_new_tokens=12, answer_max_new_tokens=5, batch_size=2)
+
+
+@pytest.fixture(scope="module")
+def target():
+    tokenizer = char_tokenizer()
+    model = tiny_model("llama", seed=0, vocab_size=len(tokenizer)).eval()
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    return model, tokenizer
+
+
+def _build(target, path, settings=SETTINGS, max_items=None, held_out=None):
+    model, tokenizer = target
+    held_out = held_out or HeldOut.from_file(str(HELD_OUT_FILE))
+    return build_distill_data(model, tokenizer, path, "fp", held_out, settings, max_items, progress=False)
+
+
+def test_held_out_check_refuses_leaks():
+    held_out = HeldOut.from_file(str(HELD_OUT_FILE))
+    leaks = ["explain QUANTUM computing to a high-school student",      # a held-out prompt, case/punctuation changed
+             "Any tips for surviving an earthquake?",                   # a held-out topic (singular form)
+             "Explain volcanoes to a high-school student.",             # a held-out template, another topic
+             "Please write code that converts a Roman numeral to an integer."]  # a held-out code task
+    for text in leaks:
+        assert held_out.leak(text), text
+        with pytest.raises(HeldOutLeakError, match="leak held-out material"):
+            held_out.check(["How do I bake bread?", text])
+    clean = ["How do I bake bread?", "Explain volcanoes in simple terms.", "Write a Python function that reverses a "
+             "string."]
+    assert [held_out.leak(t) for t in clean] == [None] * 3
+    held_out.check(clean)
+    for name in ("chat_prompts_train.jsonl", "chat_prompts_train_large.jsonl"):  # the shipped sets stay disjoint
+        held_out.check(read_prompts(str(CONFIGS / name)))
+
+
+def test_pipeline_drops_leaking_candidates(target, tmp_path):
+    # a held-out "topic" that every stdlib function mentions: all reading tasks must be dropped and counted
+    held_out = HeldOut.from_prompts(["Explain def to a high-school student."])
+    data = _build(target, tmp_path / "cache.jsonl", held_out=held_out)
+    assert data.complete and data.recipe["reading"]["kept"] == 0
+    assert data.recipe["reading"]["held_out_leaks"] == data.recipe["reading"]["candidates"] > 0
+    users = [m["content"] for row in data.rows for m in row["messages"] if m["role"] == "user"]
+    assert users and not any(held_out.leak(u) for u in users)
+
+
+def test_generation_is_deterministic_for_a_fixed_seed(target, tmp_path):
+    first = _build(target, tmp_path / "a.jsonl")
+    second = _build(target, tmp_path / "b.jsonl")  # a fresh cache: everything generated again
+    assert first.rows == second.rows and first.recipe == second.recipe
+    sources = {row["source"] for row in first.rows}
+    assert sources == {"self-instruct", "reading:python-stdlib", "self-instruct follow-up"}
+    assert {row["answer"] for row in first.rows} == {"greedy", "sampled t=0.7"}
+    follow_ups = [row for row in first.rows if row["source"] == "self-instruct follow-up"]
+    assert follow_ups and all([m["role"] for m in r["messages"]] == ["user", "assistant"] * 2 for r in follow_ups)
+    other = _build(target, tmp_path / "c.jsonl", replace(SETTINGS, seed=4))
+    assert self_instruct.seed_specs(SETTINGS) != self_instruct.seed_specs(replace(SETTINGS, seed=4))
+    assert other.rows != first.rows
+
+
+def test_resume_after_interruption_equals_an_uninterrupted_run(target, tmp_path):
+    whole = _build(target, tmp_path / "whole.jsonl")
+    cache, runs = tmp_path / "parts.jsonl", 0
+    while True:
+        runs += 1
+        part = _build(target, cache, max_items=3)  # stops at the first batch boundary after 3 new items
+        if part.complete:
+            break
+        assert not part.rows
+    assert runs > 3 and part.rows == whole.rows
+    assert sorted(cache.read_text().splitlines()) == sorted((tmp_path / "whole.jsonl").read_text().splitlines())
+    model, tokenizer = target
+    calls = []
+    original = model.generate
+    model.generate = lambda *a, **k: calls.append(1)  # a complete cache must not generate again
+    try:
+        assert _build(target, cache).rows == whole.rows and not calls
+    finally:
+        model.generate = original
+
+
+def test_message_example_trains_on_the_last_answer_only():
+    tokenizer = char_tokenizer()
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"},
+            {"role": "user", "content": "more"}, {"role": "assistant", "content": "ok!"}]
+    example = message_example(tokenizer, chat, max_length=512)
+    prompt = chat_ids(tokenizer, chat[:-1])
+    assert example["prompt_length"] == len(prompt)
+    assert example["input_ids"] == prompt + tokenizer("ok!")["input_ids"] + [tokenizer.eos_token_id]
+    assert message_example(tokenizer, chat, max_length=5)["input_ids"] == example["input_ids"][:5]
+    with pytest.raises(ValueError, match="end with an assistant turn"):
+        message_example(tokenizer, chat[:-1], max_length=512)
+
+
+def test_clean_request_and_passages():
+    assert clean_request('User: "How do I repot a cactus safely?"\n\nSure!') == "How do I repot a cactus safely?"
+    assert clean_request("Hiking!") is None
+    text = "Title\n=====\n\n.. note:: skip\n\n" + "The :func:`open` function reads files. " * 8 + "\n\n  indented"
+    assert prose_paragraphs(text) == [("The open function reads files. " * 8).strip()]
+    source = 'def f(x):\n    """Doc."""\n    y = x\n    return y\n\n\ndef g():\n    return 1\n'
+    assert documented_functions(source) == ['def f(x):\n    """Doc."""\n    y = x\n    return y']
+    first = reading_tasks(4, seed=1, corpora=("python-stdlib",))
+    assert first == reading_tasks(4, seed=1, corpora=("python-stdlib",)) and len(first) == 8
+    assert all("```python\ndef " in task.prompt for task in first)
+
+
+def test_written_recipe_renders_in_the_model_card(target, tmp_path):
+    from hf_kvspec import hub
+    from hf_kvspec.heads.configuration import MedusaConfig
+
+    data = _build(target, tmp_path / "cache.jsonl")
+    path = self_instruct.write_data(data, tmp_path / "chats.jsonl")
+    recipe = json.loads(self_instruct.recipe_path(path).read_text())
+    summary = {"args": {}, "data": [{"source": str(path), "kind": "chat", "sequences": len(data.rows), "tokens": 1,
+                                     "recipe": recipe}]}
+    config = MedusaConfig.for_base_model(target[0], "tiny")
+    card = hub.render_model_card(config, hub.CardFields.from_summary(summary))
+    assert "Data recipe of the self-distilled chats" in card
+    assert f"{recipe['self_instruct']['candidates']} candidates" in card
+    assert "| self-instruct follow-up / greedy |" in card
