@@ -32,6 +32,7 @@ class CardFields:
     license: str = "apache-2.0"
     command: str | None = None
     data: list[dict] = field(default_factory=list)              # [{"source", "kind", "sequences", "tokens"}]
+    data_recipe: list[dict] = field(default_factory=list)       # make_distill_data.py recipes of the chat sources
     held_out: dict | None = None       # the draft_acceptance metric's result + prompts/source (evaluate_head)
     final_train_metrics: dict | None = None
     training_paragraph: str = ""
@@ -64,6 +65,7 @@ class CardFields:
             paragraph += f" Mixed precision: {args['mixed_precision']}."
         fields = dict(base_model_hub_id=summary.get("base_model_hub_id"), command=summary.get("command"),
                       data=summary.get("data", []), held_out=summary.get("held_out"),
+                      data_recipe=[row["recipe"] for row in summary.get("data", []) if "recipe" in row],
                       final_train_metrics=summary.get("final_train_metrics"), training_paragraph=paragraph,
                       datasets=[row["source"] for row in summary.get("data", [])],
                       parameters=summary.get("trainable_parameters"))
@@ -123,8 +125,8 @@ def render_model_card(config, fields: CardFields | None = None, template: str | 
         metadata_yaml=yaml.safe_dump(card_metadata(config, fields), sort_keys=False, allow_unicode=True).strip(),
         title=f"{title} for {base_name}", description=_description(config), base_model_name=base_name,
         config=config, repo_id=fields.repo_id or "<your-repo-id>", **{
-            k: getattr(fields, k) for k in ("base_model_hub_id", "command", "data", "held_out", "speedup",
-                                            "final_train_metrics", "training_paragraph", "limitations")},
+            k: getattr(fields, k) for k in ("base_model_hub_id", "command", "data", "data_recipe", "held_out",
+                                            "speedup", "final_train_metrics", "training_paragraph", "limitations")},
         parameters=f"{fields.parameters:,}" if fields.parameters else "a few million",
     )
 
