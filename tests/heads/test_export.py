@@ -183,3 +183,27 @@ def test_cli_export_heads_writes_the_layout(base, tmp_path):
     assert main(["export-heads", str(tmp_path / "head"), "--format", "vllm-medusa", "--out", str(tmp_path / "out")]) == 0
     assert json.loads((tmp_path / "out" / "config.json").read_text())["num_heads"] == 2
     assert main(["export-heads", str(tmp_path / "head"), "--format", "sglang", "--out", str(tmp_path / "x")]) == 2
+
+
+def test_trained_draft_vocabulary_drafts_only_its_target_ids(base):
+    from hf_kvspec.speculative.drafters.eagle import EagleAssistant
+
+    head = eagle3(base)  # a trained draft vocabulary: N random target ids
+    allowed = set(head.draft_vocab_ids().tolist())
+    proposed: list[int] = []
+    assistant = EagleAssistant(head, tree="dynamic", depth=3, top_k=2, total_tokens=6)
+    propose = assistant.propose
+
+    def recording(ctx):
+        proposal = propose(ctx)
+        proposed.extend(proposal.tokens.flatten().tolist())
+        return proposal
+
+    assistant.propose = recording
+    ids = torch.tensor([[5, 17, 33, 2, 9, 41]])
+    kwargs = dict(do_sample=False, max_new_tokens=8, pad_token_id=0)
+    out = base.generate(ids, custom_generate=hf_kvspec.speculative_generate, assistant=assistant, **kwargs)
+    assert torch.equal(out, base.generate(ids, **kwargs))
+    assert proposed and set(proposed) <= allowed  # draft columns mapped back through d2t
+    with pytest.raises(ValueError, match="own draft vocabulary"):
+        EagleAssistant(head, draft_vocab_size=4)

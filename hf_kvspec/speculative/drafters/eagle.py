@@ -67,6 +67,10 @@ class EagleAssistant(Drafter):
             self.auto = AutoTreeSize(dynamic_menu(depth, total_tokens, top_k) if self.static is None
                                      else static_menu(self.static))
         self.head = drafter_head.eval()
+        if draft_vocab_size is not None and getattr(drafter_head, "has_draft_vocab", False):
+            raise ValueError("this head was trained with its own draft vocabulary (config.draft_vocab_size="
+                             f"{drafter_head.config.draft_vocab_size}): its projection is already restricted; leave "
+                             "draft_vocab_size unset.")
         self.vocab = None if draft_vocab_size is None else DraftVocabulary.for_head(drafter_head, draft_vocab_size,
                                                                                     draft_vocab)
         self._fitted: dict[tuple, object] = {}
@@ -137,8 +141,9 @@ class EagleAssistant(Drafter):
         return DraftProposal(self.target_ids(tree.tokens), None, parents, draft_forwards=1 + expand.calls)
 
     def target_ids(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Draft-vocabulary columns -> target token ids (identity without a draft vocabulary)."""
-        return tokens if self.vocab is None else self.vocab.to_target(tokens)
+        """Draft-vocabulary columns -> target token ids: the ranking's (``draft_vocab_size=``), the head's own trained
+        vocabulary (``d2t``, EAGLE-3), or the identity."""
+        return self.head.draft_to_target(tokens) if self.vocab is None else self.vocab.to_target(tokens)
 
     def _catch_up(self, buffer) -> torch.Tensor:
         """Feed buffer columns ``cached .. width - 2`` with their target features -> ``[B, H]`` the output at each
