@@ -81,6 +81,9 @@ class DataArguments:
     feature_batch_size: int = 8
     data_cache_dir: str | None = field(default=None, metadata={"help": "default ~/.cache/hf_kvspec/drafter_data"})
     eval_prompts: str | None = field(default=None, metadata={"help": "held-out prompts (JSONL/text) for the card"})
+    check_held_out: bool = field(default=False, metadata={
+        "help": "refuse prompt rows that leak --eval_prompts (prompts, topics, templates); chat rows from "
+                "make_distill_data.py are always checked"})
     prepare_data_only: bool = field(default=False, metadata={"help": "stop after self-distillation + features"})
 
 
@@ -155,9 +158,16 @@ def load_target(spec: str):
 def build_sources(d: DataArguments, target, tokenizer, cache_root: Path) -> list[tuple[dict, list[dict]]]:
     """[(recipe row, examples)] per ``--dataset`` source; the recipe row says what went in, for the card."""
     columns = data_lib.Columns(d.text_column, d.prompt_column, d.response_column)
+    held_out = data_lib.HeldOut.from_file(d.eval_prompts, d.prompt_column) if d.eval_prompts else None
     sources = []
     for spec in d.dataset:
-        texts, pairs = data_lib.split_rows(data_lib.load_source(spec, d.dataset_split), columns)
+        dataset = data_lib.load_source(spec, d.dataset_split)
+        if data_lib.MESSAGES in dataset.column_names:  # whole chats (make_distill_data.py), answers included
+            sources.append(chat_source(d, spec, dataset, tokenizer, held_out))
+            continue
+        if held_out is not None and d.check_held_out:
+            held_out.check(data_lib.user_turns(dataset, d.prompt_column), f"prompts of --dataset {spec}")
+        texts, pairs = data_lib.split_rows(dataset, columns)
         windows = data_lib.text_windows(tokenizer, texts, d.max_length)
         random.Random(d.data_seed).shuffle(windows)  # a token budget then samples the whole source, not its head
         found = data_lib.cap_tokens(windows, d.max_train_tokens)
@@ -168,6 +178,21 @@ def build_sources(d: DataArguments, target, tokenizer, cache_root: Path) -> list
     if not any(examples for _, examples in sources):
         raise ValueError("No training examples: pass --dataset (e.g. corpus:python-docs or a .jsonl file).")
     return sources
+
+
+def chat_source(d: DataArguments, spec: str, dataset, tokenizer, held_out) -> tuple[dict, list[dict]]:
+    """A ``messages`` source: held-out check on every user turn, loss on each chat's last answer, and the recipe
+    written beside the file (``<file>.recipe.json``) carried into the summary for the model card."""
+    from hf_kvspec.heads.self_instruct import recipe_path
+
+    if held_out is not None:
+        held_out.check(data_lib.user_turns(dataset), f"user turns of --dataset {spec}")
+    found = [data_lib.message_example(tokenizer, chat, d.max_length) for chat in dataset[data_lib.MESSAGES]]
+    row = {"source": spec, "kind": "chat, self-distilled (self-instruct + reading tasks)", "sequences": len(found),
+           "tokens": sum(len(e["input_ids"]) for e in found)}
+    if recipe_path(spec).is_file():
+        row["recipe"] = json.loads(recipe_path(spec).read_text())
+    return row, found
 
 
 def conversations(d: DataArguments, target, tokenizer, pairs, cache_root: Path) -> list[dict]:
