@@ -7,6 +7,10 @@ Boundary: maps names to drafter constructors; knows nothing about the decode loo
                             with the target's tokenizer
     draft:truncated:<N>     DraftModelAssistant(truncated_draft(target, N)): the target's first N layers + final
                             norm + LM head (the stand-in until a trained drafter exists)
+    early_exit[:E]          EarlyExitAssistant(E): the target's first E layers on its own cache (E defaults to L // 2)
+    layer_skip              LayerSkipAssistant("search"): the target with a searched skip set
+    sparse_kv[:W]           SparseKVAssistant(view="streaming", window=W): the target over 4 sink tokens and the
+                            last W (default 256) committed tokens of its own cache (long contexts)
 
 ``check_spec`` parses a spec without loading anything (the CLI calls it before the model loads); ``~`` in a
 directory is expanded.
@@ -23,7 +27,7 @@ from __future__ import annotations
 from pathlib import Path
 
 ASSISTANT_HELP = ("ngram | draft:<causal LM dir> | draft:truncated:<N layers of the target> | early_exit[:E] | "
-                  "layer_skip")
+                  "layer_skip | sparse_kv[:window]")
 HEAD_ASSISTANTS = ("medusa", "eagle")
 TREES = ("default", "small", "chain", "dynamic")
 
@@ -76,6 +80,11 @@ def check_spec(spec: str) -> tuple[str, int | Path | None]:
         if spec != "early_exit" and (not layers.isdigit() or int(layers) < 1):
             raise ValueError(f"early_exit:<E> needs a positive exit layer, got {spec!r}")
         return "early_exit", int(layers) if layers else None
+    if spec == "sparse_kv" or spec.startswith("sparse_kv:"):  # SparseKVAssistant(window=W); W defaults to 256
+        window = spec.removeprefix("sparse_kv").removeprefix(":")
+        if spec != "sparse_kv" and (not window.isdigit() or int(window) < 1):
+            raise ValueError(f"sparse_kv:<window> needs a positive number of recent tokens, got {spec!r}")
+        return "sparse_kv", int(window) if window else None
     if spec.startswith("draft:truncated:"):
         layers = spec.removeprefix("draft:truncated:")
         if not layers.isdigit():
@@ -106,7 +115,7 @@ def make_assistant(spec: str, target, num_draft_tokens: int | str = 4):
                         f"{type(target).__name__}.")
     if kind == "ngram":
         return NgramAssistant(max_ngram=3, num_draft_tokens=num_draft_tokens)
-    if kind in ("early_exit", "layer_skip"):
+    if kind in ("early_exit", "layer_skip", "sparse_kv"):
         return _self_drafter(kind, value, target, num_draft_tokens)
     if kind == "truncated":
         from hf_kvspec.speculative.drafters.truncated import truncated_draft
@@ -124,13 +133,16 @@ def parse_num_draft_tokens(value: str) -> int | str:
     return int(value)
 
 
-def _self_drafter(kind: str, exit_layer: int | None, target, num_draft_tokens: int | str):
+def _self_drafter(kind: str, value: int | None, target, num_draft_tokens: int | str):
     from hf_kvspec.speculative.drafters.early_exit import EarlyExitAssistant
     from hf_kvspec.speculative.drafters.layer_skip import LayerSkipAssistant
+    from hf_kvspec.speculative.drafters.sparse_kv import SparseKVAssistant
 
+    if kind == "sparse_kv":
+        return SparseKVAssistant(view="streaming", window=value or 256, num_draft_tokens=num_draft_tokens)
     if kind == "layer_skip":
         return LayerSkipAssistant("search", num_draft_tokens=num_draft_tokens)
-    exit_layer = exit_layer or max(target.config.num_hidden_layers // 2, 1)
+    exit_layer = value or max(target.config.num_hidden_layers // 2, 1)
     return EarlyExitAssistant(exit_layer, num_draft_tokens=num_draft_tokens)
 
 

@@ -157,3 +157,17 @@ def test_sampling_matches_plain_sampling(view):
     samples = sampling_refs.speculative_samples(model, assistant, **sampling)
     assert sampling_refs._joint_tv(samples, exact) < 0.01
     assert assistant.stats.mean_acceptance < 0.999  # the view's distribution differs from the target's
+
+
+def test_assistant_spec():
+    from hf_kvspec.speculative.assistants import check_spec, make_assistant
+
+    assert check_spec("sparse_kv") == ("sparse_kv", None)
+    assert check_spec("sparse_kv:128") == ("sparse_kv", 128)
+    for bad in ("sparse_kv:", "sparse_kv:0", "sparse_kv:x"):
+        with pytest.raises(ValueError, match="sparse_kv"):
+            check_spec(bad)
+    model = tiny_model("llama")
+    assistant = make_assistant("sparse_kv:128", model, num_draft_tokens=3)
+    assert isinstance(assistant, SparseKVAssistant) and assistant.window == 128 and assistant.view == "streaming"
+    assert make_assistant("sparse_kv", model).window == 256
