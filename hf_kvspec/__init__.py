@@ -24,6 +24,8 @@ _EXPORTS: dict[str, str] = {
     "MedusaConfig": "hf_kvspec.heads.configuration",
     "EagleDrafter": "hf_kvspec.heads.modeling_eagle",
     "EagleConfig": "hf_kvspec.heads.configuration",
+    "ExitAdapter": "hf_kvspec.heads.modeling_exit",
+    "ExitAdapterConfig": "hf_kvspec.heads.configuration_exit",
     "BaseModelMismatchError": "hf_kvspec.heads.pairing",
     "load_bundled_heads": "hf_kvspec.heads.bundled",
     # evaluate metric modules (draft acceptance, cache fidelity)

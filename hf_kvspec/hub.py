@@ -16,7 +16,9 @@ import yaml
 TEMPLATE_DIR = Path(__file__).parent / "model_cards"  # links to the top-level model_cards/; copied into wheels
 DEFAULT_TEMPLATE = "draft_head.md"
 _KIND = {"hf_kvspec_medusa": ("Medusa heads", "medusa", "arxiv:2401.10774"),
-         "hf_kvspec_eagle": ("EAGLE drafter", "eagle", "arxiv:2401.15077")}
+         "hf_kvspec_eagle": ("EAGLE drafter", "eagle", "arxiv:2401.15077"),
+         "hf_kvspec_exit_adapter": ("Early-exit adapter", "early-exit", "arxiv:2404.18911")}
+_TEMPLATES = {"hf_kvspec_exit_adapter": "exit_adapter.md"}  # other heads: DEFAULT_TEMPLATE
 #: what a card reads from ``CardFields.held_out``: the draft_acceptance result plus the prompt count and source
 HELD_OUT_KEYS = ("tau", "per_head_top1", "emitted_tokens", "target_forwards", "prompts", "source")
 _METADATA_ORDER = ["library_name", "license", "base_model", "tags", "datasets", "hf_kvspec_acceptance", "model-index"]
@@ -108,14 +110,16 @@ def eval_results(held_out: dict) -> list:
 
 
 def render_model_card(config, fields: CardFields | None = None, template: str | Path | None = None) -> str:
-    """Render the card for a head config; ``template`` defaults to ``model_cards/draft_head.md``."""
+    """Render the card for a head config; ``template`` defaults to ``model_cards/draft_head.md`` (exit adapters:
+    ``model_cards/exit_adapter.md``)."""
     import jinja2
 
     if getattr(config, "model_type", None) not in _KIND:
-        raise TypeError(f"render_model_card takes a draft head's config (MedusaConfig or EagleConfig, e.g. "
+        raise TypeError(f"render_model_card takes a draft head's config (MedusaConfig, EagleConfig or "
+                        f"ExitAdapterConfig, e.g. "
                         f"head.config), got {type(config).__name__}.")
     fields = fields or CardFields()
-    path = Path(template) if template else TEMPLATE_DIR / DEFAULT_TEMPLATE
+    path = Path(template) if template else TEMPLATE_DIR / _TEMPLATES.get(config.model_type, DEFAULT_TEMPLATE)
     if not path.is_file():
         raise FileNotFoundError(f"Model-card template {path} not found; pass template=<path to a .md template>.")
     title, _, _ = _KIND.get(config.model_type, (config.model_type, None, None))
@@ -137,6 +141,11 @@ def _description(config) -> str:
                 f"block(s) each, {'sharing the base LM head' if config.share_lm_head else 'each with its own LM head'}"
                 ". Head k reads the base model's last hidden state at position t and drafts token t+k+2 (the base "
                 "LM head itself gives t+1).")
+    if config.model_type == "hf_kvspec_exit_adapter":
+        return (f"An exit adapter (Kangaroo, Liu et al. arXiv 2404.18911) for self-speculative decoding: the base "
+                f"model's first {config.exit_layer} of {config.base_num_layers} decoder layers, this position-wise "
+                f"gated MLP block ({config.intermediate_size} wide, with a residual), then the base model's own final "
+                f"norm and LM head draft the next tokens; the remaining layers verify them on the same KV cache.")
     fused = len(config.feature_layers) > 1
     return ("An EAGLE drafter (Li et al., arXiv 2401.15077): one decoder layer of the base architecture over "
             "fc(concat(token embedding, target feature)), sharing the base model's embedding and LM head. "

@@ -1,4 +1,4 @@
-"""Train Medusa heads or an EAGLE drafter for a frozen target model (a straight ``Accelerator`` loop).
+"""Train Medusa heads, an EAGLE drafter or an early-exit adapter for a frozen target (a straight ``Accelerator`` loop).
 
 The target is frozen and moved to the device (never prepared); only the head trains. Data: any ``datasets`` source
 (``--dataset`` repeatable: ``corpus:NAME``, local .txt/.jsonl, or a ``load_dataset`` name); rows with a prompt column
@@ -13,6 +13,10 @@ Run (one CPU process; on GPUs drop ``--cpu`` and set ``--num_processes``):
 
     python scripts/train_drafter.py --config scripts/train_configs/smollm2_eagle.yaml   # YAML, CLI overrides it
     python scripts/train_drafter.py --config ... --resume_from_checkpoint latest         # continue after a crash
+    python scripts/train_drafter.py --config scripts/train_configs/smollm2_early_exit.yaml  # exit adapter, E = 8
+
+``--head early_exit --exit_layer E`` trains an ``ExitAdapter`` on the target's layer-E states (``hidden_states[E]``)
+against the target's greedy token at the same row; the held-out numbers come from ``evaluate_exit_adapter``.
 
 Outputs in ``--output_dir``: ``config.json`` + ``model.safetensors`` (the head only), ``README.md`` (model card),
 ``training_summary.json``, ``train_log.jsonl``, ``checkpoints/step-N`` (``accelerator.save_state``).
@@ -49,11 +53,14 @@ from hf_kvspec.heads.pairing import base_model_fingerprint
 
 @dataclass
 class ModelArguments:
-    head: str = field(metadata={"help": "medusa or eagle", "choices": ["medusa", "eagle"]})
+    head: str = field(metadata={"help": "medusa, eagle or early_exit", "choices": ["medusa", "eagle", "early_exit"]})
     base_model: str = field(default="bundled", metadata={"help": "bundled[:NAME], a local path or a Hub id"})
     base_model_hub_id: str | None = field(default=None, metadata={"help": "base_model in the card's metadata"})
     num_heads: int = field(default=4, metadata={"help": "Medusa heads (draft depth)"})
     num_layers: int = field(default=1, metadata={"help": "residual blocks per Medusa head"})
+    exit_layer: int | None = field(default=None, metadata={"help": "early_exit: base layers that draft (E)"})
+    adapter_intermediate_size: int | None = field(default=None, metadata={
+        "help": "early_exit: adapter MLP width (default: the base model's intermediate_size)"})
     medusa_own_lm_head: bool = field(default=False, metadata={"help": "give each Medusa head its own [V, H] head"})
     feature_layers: list[int] = field(default_factory=lambda: [-1],
                                       metadata={"help": "EAGLE feature layers (several = EAGLE-3 fusion)"})
@@ -218,6 +225,8 @@ def distill_settings(d: DataArguments) -> DistillSettings:
 
 
 def build_head(m: ModelArguments, target, recorded_name: str):
+    if m.head == "early_exit":
+        return build_exit_adapter(m, target, recorded_name)
     if m.head == "medusa":
         config = MedusaConfig.for_base_model(target, recorded_name, num_heads=m.num_heads, num_layers=m.num_layers,
                                              share_lm_head=not m.medusa_own_lm_head)
@@ -227,7 +236,29 @@ def build_head(m: ModelArguments, target, recorded_name: str):
                                                    draft_vocab_size=m.draft_vocab_size)).attach(target)
 
 
+def build_exit_adapter(m: ModelArguments, target, recorded_name: str):
+    from hf_kvspec.heads.configuration_exit import ExitAdapterConfig
+    from hf_kvspec.heads.modeling_exit import ExitAdapter
+
+    if m.exit_layer is None:
+        raise ValueError("--head early_exit needs --exit_layer E (the number of base layers that draft).")
+    width = {} if m.adapter_intermediate_size is None else {"intermediate_size": m.adapter_intermediate_size}
+    config = ExitAdapterConfig.for_base_model(target, recorded_name, exit_layer=m.exit_layer, **width)
+    return ExitAdapter(config).attach(target)
+
+
+def make_objective(m, d, t, head, vocab):
+    """The head's loss module: ``ExitObjective`` (CE on the target's greedy tokens) or ``TrainingObjective``."""
+    if m.head == "early_exit":
+        from hf_kvspec.heads.modeling_exit import ExitObjective
+
+        return ExitObjective(head, vocab)
+    return TrainingObjective(head, vocab, d.label_source, t.unroll_steps, t.feature_loss_weight, t.loss_decay)
+
+
 def feature_layers(m: ModelArguments) -> list[int]:
+    if m.head == "early_exit":
+        return [m.exit_layer]  # hidden_states[E]: the output of layers 0..E-1
     return [-1] if m.head == "medusa" else list(m.feature_layers)
 
 
@@ -405,7 +436,12 @@ def held_out(d: DataArguments, head, target, tokenizer, cache_root: Path) -> dic
     if not d.eval_prompts:
         return None
     convs = held_out_conversations(d, target, tokenizer, cache_root)
-    result = evaluate_head(head, target, convs)
+    if getattr(head.config, "exit_layer", None) is not None:  # ExitAdapter: chain of 4 drafts per round
+        from hf_kvspec.heads.evaluation_exit import evaluate_exit_adapter
+
+        result = evaluate_exit_adapter(head, target, convs)
+    else:
+        result = evaluate_head(head, target, convs)
     return {**result, "prompts": len(convs), "source": d.eval_prompts}
 
 
@@ -464,7 +500,7 @@ def main(argv: list[str] | None = None) -> None:
     if getattr(head, "has_draft_vocab", False):  # EAGLE-3 draft vocabulary: train the head's own [N, H] projection
         init_draft_vocab(head, most_frequent_labels(dataset, target.config.vocab_size, m.draft_vocab_size))
         vocab = HeadVocabulary(head)
-    objective = TrainingObjective(head, vocab, d.label_source, t.unroll_steps, t.feature_loss_weight, t.loss_decay)
+    objective = make_objective(m, d, t, head, vocab)
     record = RunRecord(commands=["accelerate launch scripts/train_drafter.py " + shlex.join(argv)])
     train(m, d, t, accelerator, objective, dataset, target, record)
     accelerator.wait_for_everyone()

@@ -13,14 +13,14 @@ import torch
 from hf_kvspec.models import DEFAULT_MODEL
 
 BUNDLED_HEADS_DIR = Path(__file__).resolve().parent.parent / "bundled_heads"
-HEAD_KINDS = ("medusa", "eagle")
+HEAD_KINDS = ("medusa", "eagle", "early_exit")
 
 
 def bundled_heads_path(kind: str, base: str = DEFAULT_MODEL) -> Path:
     """Directory of a committed head (``config.json``, ``model.safetensors``, ``README.md``)."""
     if kind not in HEAD_KINDS:
         raise ValueError(f"kind must be one of {HEAD_KINDS}, got {kind!r}.")
-    path = BUNDLED_HEADS_DIR / f"{base}-{kind}"
+    path = BUNDLED_HEADS_DIR / f"{base}-{kind.replace('_', '-')}"
     if not (path / "config.json").is_file():
         raise FileNotFoundError(
             f"No bundled {kind} head for {base!r} at {path}. Train one with: accelerate launch "
@@ -31,13 +31,14 @@ def bundled_heads_path(kind: str, base: str = DEFAULT_MODEL) -> Path:
 
 def load_bundled_heads(kind: str = "medusa", base_model=None, dtype: torch.dtype = torch.float32,
                        base: str = DEFAULT_MODEL):
-    """Load the committed ``"medusa"`` or ``"eagle"`` head for the bundled model, in eval mode.
+    """Load the committed ``"medusa"``, ``"eagle"`` or ``"early_exit"`` head for the bundled model, in eval mode.
 
     If ``base_model`` is given, the head is attached to it (pairing checked, embedding/LM head borrowed).
     """
     from hf_kvspec.heads.modeling_eagle import EagleDrafter
+    from hf_kvspec.heads.modeling_exit import ExitAdapter
     from hf_kvspec.heads.modeling_medusa import MedusaHeads
 
-    model_class = MedusaHeads if kind == "medusa" else EagleDrafter
+    model_class = {"medusa": MedusaHeads, "eagle": EagleDrafter, "early_exit": ExitAdapter}[kind]
     head = model_class.from_pretrained(bundled_heads_path(kind, base), dtype=dtype).eval()
     return head.attach(base_model) if base_model is not None else head

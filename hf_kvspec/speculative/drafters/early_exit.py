@@ -38,14 +38,17 @@ class EarlyExitAssistant(Drafter):
     """Draft with the target's layers ``0..exit_layer-1``; verify with the rest, on one shared cache.
 
     ``adapter``: optional module mapping layer-E hidden states [B, T, H] to hidden states [B, T, H] for the final
-    norm and LM head, position by position (e.g. ``hf_kvspec.heads`` exit adapter); None = exit straight into
-    the final norm (works when the model was trained for early exit)."""
+    norm and LM head, position by position (e.g. ``hf_kvspec.ExitAdapter``, which is attached to the target at
+    ``begin``: pairing checked); None = exit straight into the final norm (works when the model was trained for
+    early exit). ``exit_layer=None`` takes the adapter's own ``config.exit_layer``."""
 
     shares_target_cache = True
     can_drop_rows = True  # no per-row state survives a round
 
-    def __init__(self, exit_layer: int, num_draft_tokens: int | str = 4, adapter=None, max_draft_tokens: int = 16):
+    def __init__(self, exit_layer: int | None, num_draft_tokens: int | str = 4, adapter=None,
+                 max_draft_tokens: int = 16):
         super().__init__(num_draft_tokens, max_draft_tokens)
+        exit_layer = _adapter_exit_layer(exit_layer, adapter)
         if isinstance(exit_layer, bool) or not isinstance(exit_layer, int) or exit_layer < 1:
             raise ValueError(f"exit_layer must be a positive int (the number of layers that draft), got "
                              f"{exit_layer!r}")
@@ -60,6 +63,8 @@ class EarlyExitAssistant(Drafter):
         if self.exit_layer > self.stack.num_layers:
             raise ValueError(f"exit_layer={self.exit_layer} but the target has {self.stack.num_layers} layers; "
                              f"pass 1..{self.stack.num_layers}")
+        if hasattr(self.adapter, "attach"):  # a trained ExitAdapter: refuse another base model, borrow its head
+            self.adapter.attach(target)
         self.kept = None
 
     def kernel_modules(self) -> tuple:
@@ -137,6 +142,18 @@ class EarlyExitAssistant(Drafter):
     def end(self) -> None:
         self.kept = None
         self.stack = None
+
+
+def _adapter_exit_layer(exit_layer: int | None, adapter) -> int | None:
+    """The exit layer to use: the one passed, checked against a trained adapter's ``config.exit_layer``."""
+    trained = getattr(getattr(adapter, "config", None), "exit_layer", None)
+    if exit_layer is None and trained is None:
+        raise ValueError("EarlyExitAssistant needs exit_layer=E (or an adapter whose config names its exit_layer)")
+    if trained is not None and exit_layer is not None and exit_layer != trained:
+        raise ValueError(f"this adapter was trained on layer-{trained} states; pass exit_layer={trained} or None, "
+                         f"or train one for E={exit_layer} (scripts/train_drafter.py --head early_exit "
+                         f"--exit_layer {exit_layer})")
+    return trained if exit_layer is None else exit_layer
 
 
 def _verified_length(cache, num_layers: int) -> int:
