@@ -24,6 +24,7 @@ segment, ``k`` positions kept per row.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterable
 
 import torch
@@ -47,37 +48,61 @@ def gather_segment(states: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
     return torch.gather(states, 2, index)
 
 
-def check_keep_args(start: int, indices, length: int, batch: int | None, where: str) -> None:
-    """Raise ``ValueError`` unless ``indices`` [B, k] selects from the segment ``[start, length)`` of a layer."""
-    if not isinstance(indices, torch.Tensor) or indices.dim() != 2 or indices.dtype.is_floating_point \
-            or indices.dtype == torch.bool:
-        raise ValueError(f"{where}: indices must be an integer tensor [B, k] of positions in the newest segment, "
-                         f"got {type(indices).__name__} {getattr(indices, 'shape', '')}.")
-    segment = length - start
-    if not 0 <= start <= length:
-        raise ValueError(f"{where}: start={start} is outside the layer's {length} tokens; pass the length the "
-                         "cache had before the segment was appended.")
-    if batch is not None and indices.shape[0] != batch:
-        raise ValueError(f"{where}: indices has {indices.shape[0]} rows but the cache holds {batch}.")
-    if indices.shape[1] > segment:
-        raise ValueError(f"{where}: cannot keep {indices.shape[1]} positions of a {segment}-token segment.")
-    if indices.numel() and (int(indices.min()) < 0 or int(indices.max()) >= segment):
-        raise ValueError(f"{where}: indices must lie in 0..{segment - 1} (the segment [{start}, {length})), got "
-                         f"{int(indices.min())}..{int(indices.max())}.")
+# ---------------------------------------------------------------------------------------------------- arguments
+# One set of argument checks for every cache: PagedCache and QuantizedKVCache call these from their methods and
+# the functions below call them for transformers' caches, so one mistake gets one wording (C6) whatever the cache.
+def is_int(value) -> bool:
+    """A Python, NumPy or 0-d tensor integer (not a bool, not a float)."""
+    if isinstance(value, bool) or (isinstance(value, torch.Tensor) and value.dtype.is_floating_point):
+        return False
+    try:
+        operator.index(value)
+    except TypeError:
+        return False
+    return True
 
 
-def chosen_layers(num_layers: int, layers: Iterable[int] | None) -> list[int]:
-    """``layers`` (None: every layer) as a list, refusing indices the cache does not have."""
+def check_crop_arg(tokens_to_remove: int) -> None:
+    """``crop(-k)`` removes ``k`` tokens; a positive argument is refused, as ``DynamicCache.crop`` does (C3)."""
+    if tokens_to_remove > 0:
+        raise ValueError(f"crop({tokens_to_remove}): pass a negative number of tokens to remove, e.g. crop(-3).")
+
+
+def layer_ids(num_layers: int, layers: Iterable[int] | None, where: str) -> list[int]:
+    """``layers`` (None: every layer) as a list of ints, refusing anything that is not a layer of the cache."""
     chosen = list(range(num_layers)) if layers is None else list(layers)
-    bad = [i for i in chosen if not 0 <= i < num_layers]
+    bad = [i for i in chosen if not is_int(i) or not 0 <= i < num_layers]
     if bad:
-        raise ValueError(f"layers {bad} do not exist; this cache has layers 0..{num_layers - 1}.")
-    return chosen
+        raise ValueError(f"{where}: layers {bad} do not exist; this cache has layers 0..{num_layers - 1}.")
+    return [int(i) for i in chosen]
 
 
 def check_crop_length(length: int, held: int, layer_idx: int) -> None:
-    if not 0 <= length <= held:
-        raise ValueError(f"crop_layers({length}): layer {layer_idx} holds {held} tokens; pass a length in 0..{held}.")
+    """``crop_layers(length)`` keeps ``length`` of the ``held`` tokens of layer ``layer_idx`` (C3)."""
+    if not is_int(length) or not 0 <= length <= held:
+        raise ValueError(f"crop_layers({length!r}): layer {layer_idx} holds {held} tokens; pass a length in 0..{held}.")
+
+
+def check_keep_args(start: int, indices, length: int, batch: int | None, where: str) -> None:
+    """Raise ``ValueError`` unless ``indices`` [B, k] selects from the segment ``[start, length)`` of a layer of
+    ``batch`` rows (None: not known yet) (C4)."""
+    if not isinstance(indices, torch.Tensor) or indices.dim() != 2 or indices.dtype.is_floating_point \
+            or indices.dtype.is_complex or indices.dtype == torch.bool:
+        raise ValueError(f"{where}: indices must be an integer tensor [B, k] (e.g. torch.long) of positions in the "
+                         f"newest segment, got {type(indices).__name__} {tuple(getattr(indices, 'shape', ()))}.")
+    if not is_int(start) or not 0 <= start <= length:
+        raise ValueError(f"{where}: start={start!r} is outside the layer's {length} tokens; pass the length the "
+                         "cache had before the segment was appended.")
+    if batch is not None and indices.shape[0] != batch:
+        raise ValueError(f"{where}: indices has {indices.shape[0]} rows but the cache holds {batch}; pass one row "
+                         "of indices per cache row.")
+    segment = length - int(start)
+    if indices.shape[1] > segment:
+        raise ValueError(f"{where}: cannot keep {indices.shape[1]} positions of a {segment}-token segment; pad "
+                         "shorter rows by repeating an index, not past the segment.")
+    if indices.numel() and (int(indices.min()) < 0 or int(indices.max()) >= segment):
+        raise ValueError(f"{where}: indices must lie in 0..{segment - 1} (the segment [{start}, {length})), got "
+                         f"{int(indices.min())}..{int(indices.max())}.")
 
 
 # ---------------------------------------------------------------------------------------------------- public API
@@ -91,9 +116,10 @@ def crop_layers(cache, length: int, layers: Iterable[int] | None = None) -> None
     if callable(getattr(cache, "crop_layers", None)):
         cache.crop_layers(length, layers)
         return
-    chosen = _chosen(cache, layers)
+    chosen = _chosen(cache, layers, "crop_layers")
     for i in chosen:
         _check_crop(cache.layers[i], i, length)
+    length = int(length)
     for i in chosen:
         removed = _length(cache.layers[i]) - length
         if removed:
@@ -106,9 +132,10 @@ def keep_positions(cache, start: int, indices: torch.Tensor, layers: Iterable[in
     if callable(getattr(cache, "keep_positions", None)):
         cache.keep_positions(start, indices, layers)
         return
-    chosen = _chosen(cache, layers)
+    chosen = _chosen(cache, layers, "keep_positions")
     for i in chosen:
-        _check_keep(cache.layers[i], i, start, indices)
+        _check_keep(cache.layers[i], i, start, indices, f"{type(cache).__name__}.keep_positions on layer {i}")
+    start = int(start)
     for i in chosen:
         layer = cache.layers[i]
         if _length(layer) > start:  # an untouched (empty) segment needs no edit
@@ -119,12 +146,15 @@ def check_contract(cache, *, keep_positions: bool = False, per_layer: bool = Fal
                    segment: int | None = None) -> None:
     """Refuse, by name and with the fix, a cache that cannot do what the caller will ask: roll back (always),
     keep positions of a segment of up to ``segment`` tokens (trees), crop a range of layers (self-speculation).
-    A cache that keeps positions only in a bounded window says so through ``check_keep_capacity(segment)``."""
+    A cache that keeps positions only in a bounded window says so through ``check_keep_capacity(segment)``.
+    The one capability check of the package (``speculative.rollback.check_cache`` forwards to it)."""
     if cache is None:
         return
     name = type(cache).__name__
     if not getattr(cache, "is_croppable", False) or not callable(getattr(cache, "crop", None)):
         raise ValueError(_not_croppable(cache))
+    if not (keep_positions or per_layer):
+        return  # rolling back needs crop(-k) only, whatever the layers
     wanted = [m for m, asked in (("keep_positions", keep_positions), ("crop_layers", per_layer)) if asked]
     if any(callable(getattr(cache, m, None)) for m in ("keep_positions", "crop_layers")):
         missing = [m for m in wanted if not callable(getattr(cache, m, None))]
@@ -143,8 +173,8 @@ def _length(layer) -> int:
     return int(layer.get_seq_length()) if getattr(layer, "is_initialized", False) else 0
 
 
-def _chosen(cache, layers: Iterable[int] | None) -> list[int]:
-    chosen = chosen_layers(len(cache.layers), layers)
+def _chosen(cache, layers: Iterable[int] | None, op: str) -> list[int]:
+    chosen = layer_ids(len(cache.layers), layers, f"{type(cache).__name__}.{op}")
     for i, layer in ((i, cache.layers[i]) for i in chosen):
         _check_layer_kind(layer, i, type(cache).__name__, keep=False)
     return chosen
@@ -170,9 +200,9 @@ def _check_crop(layer, i: int, length: int) -> None:
     _check_sliding_room(layer, i, length, length)
 
 
-def _check_keep(layer, i: int, start: int, indices: torch.Tensor) -> None:
+def _check_keep(layer, i: int, start: int, indices: torch.Tensor, where: str) -> None:
     batch = layer.keys.shape[0] if getattr(layer, "is_initialized", False) else None
-    check_keep_args(start, indices, _length(layer), batch, f"keep_positions on layer {i}")
+    check_keep_args(start, indices, _length(layer), batch, where)
     _check_sliding_room(layer, i, start, start + indices.shape[1])
 
 
@@ -226,5 +256,6 @@ def _not_croppable(cache) -> str:
         return (f"{name} holds transformers' quantized layers, which cannot crop (they re-quantize the whole "
                 "history at every flush), so rejected draft tokens could not be removed; use hf_kvspec's "
                 "QuantizedKVCache(model.config, ...), which crops and keeps positions in its full-precision window.")
-    return (f"{name} cannot be cropped (is_croppable is False or crop() is missing): speculative decoding removes "
-            "rejected draft tokens with cache.crop(-k); use DynamicCache, hf_kvspec's PagedCache or QuantizedKVCache.")
+    return (f"{name} cannot be cropped (is_croppable is False or crop() is missing): speculative decoding must "
+            "remove rejected draft tokens from the cache with cache.crop(-k). Pass a croppable cache, e.g. "
+            "cache=DynamicCache(config=model.config), hf_kvspec's PagedCache or QuantizedKVCache.")

@@ -58,7 +58,6 @@ N blocks · P block size · M blocks per row · k kept positions per row.
 
 from __future__ import annotations
 
-import operator
 import os
 from collections.abc import Iterable
 
@@ -72,6 +71,7 @@ from hf_kvspec.memory import kv_bytes_per_token, parse_bytes
 from . import channel
 from .block_pool import BlockPool
 from .block_table import BlockTables
+from .contract import check_crop_arg, check_crop_length, check_keep_args, layer_ids
 from .paged_layer import PagedLayer
 
 _SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -188,18 +188,15 @@ class PagedCache(Cache):
     def crop(self, tokens_to_remove: int) -> None:
         """Remove the newest ``-tokens_to_remove`` tokens of every layer, each from its own length (negative,
         like ``DynamicCache.crop``); frees the tail blocks no layer needs any more."""
-        if tokens_to_remove > 0:
-            raise ValueError(f"crop({tokens_to_remove}): pass a negative number of tokens to remove.")
+        check_crop_arg(tokens_to_remove)
         self._shrink({i: max(0, layer.cumulative_length + tokens_to_remove) for i, layer in enumerate(self.layers)})
 
     def crop_layers(self, length: int, layers: Iterable[int] | None = None) -> None:
         """Keep the first ``length`` tokens of the given layers (all by default); the others are untouched."""
-        chosen = self._layer_ids(layers, "crop_layers")
+        chosen = layer_ids(len(self.layers), layers, "PagedCache.crop_layers")
         for i in chosen:
-            held = self.layers[i].cumulative_length
-            if not _is_int(length) or not 0 <= length <= held:
-                raise ValueError(f"crop_layers({length!r}): layer {i} holds {held} tokens; pass a length in 0..{held}.")
-        self._shrink({int(i): int(length) for i in chosen})
+            check_crop_length(length, self.layers[i].cumulative_length, i)
+        self._shrink({i: int(length) for i in chosen})
 
     def keep_positions(self, start: int, indices: torch.Tensor, layers: Iterable[int] | None = None) -> None:
         """In every row ``b`` move position ``start + indices[b, j]`` to ``start + j`` and drop the rest of the
@@ -209,10 +206,14 @@ class PagedCache(Cache):
         (contract C4 asks for ascending rows; any order is moved correctly here). Shared or cached blocks
         are copied before a slot in them is written (copy-on-write); kept-in-place positions are not written.
         """
-        chosen = self._layer_ids(layers, "keep_positions")
-        kept = self._check_keep(start, indices, chosen)  # [B][k] python ints
+        chosen = layer_ids(len(self.layers), layers, "PagedCache.keep_positions")
+        if not chosen:
+            return
+        shortest = min(chosen, key=lambda i: self.layers[i].cumulative_length)  # its segment bounds the indices
+        check_keep_args(start, indices, self.layers[shortest].cumulative_length, self.tables.num_rows,
+                        f"PagedCache.keep_positions on layer {shortest}")
         start = int(start)
-        copies, moves, first_changed = self.tables.prepare_moves(start, kept)
+        copies, moves, first_changed = self.tables.prepare_moves(start, indices.tolist())
         self._copy_blocks(copies)
         if moves:
             src, dst = torch.tensor(moves).T  # [X] flat slots each
@@ -220,35 +221,6 @@ class PagedCache(Cache):
                 if self.layers[i].is_initialized:
                     self.layers[i].move(src, dst)
         self._shrink({i: start + indices.shape[1] for i in chosen}, first_changed)
-
-    def _check_keep(self, start, indices, chosen: list[int]) -> list[list[int]]:
-        where = "PagedCache.keep_positions"
-        if not isinstance(indices, torch.Tensor) or indices.dim() != 2 or indices.dtype.is_floating_point \
-                or indices.dtype.is_complex or indices.dtype == torch.bool:
-            raise ValueError(f"{where}: indices must be an integer tensor [B, k] (e.g. torch.long) of positions in "
-                             f"the newest segment, got {type(indices).__name__} {tuple(getattr(indices, 'shape', ()))}.")
-        if indices.shape[0] != self.tables.num_rows:
-            raise ValueError(f"{where}: indices has {indices.shape[0]} rows but the cache holds "
-                             f"{self.tables.num_rows}; pass one row of indices per cache row.")
-        held = min((self.layers[i].cumulative_length for i in chosen), default=0)
-        if not _is_int(start) or not 0 <= start <= held:
-            raise ValueError(f"{where}: start={start!r} is outside 0..{held} (the shortest chosen layer); pass the "
-                             "length the layers had before the segment was appended.")
-        segment = held - start
-        if indices.shape[1] > segment:
-            raise ValueError(f"{where}: cannot keep {indices.shape[1]} positions of a {segment}-token segment; "
-                             "pad shorter rows by repeating an index, not past the segment.")
-        kept = indices.tolist()
-        if any(not 0 <= i < segment for row in kept for i in row):
-            raise ValueError(f"{where}: indices must lie in 0..{segment - 1} (the segment [{start}, {held})).")
-        return kept
-
-    def _layer_ids(self, layers: Iterable[int] | None, where: str) -> list[int]:
-        chosen = list(range(len(self.layers))) if layers is None else list(layers)
-        bad = [i for i in chosen if not _is_int(i) or not 0 <= i < len(self.layers)]
-        if bad:
-            raise ValueError(f"PagedCache.{where}: layers {bad} do not exist; pass indices in 0..{len(self.layers) - 1}.")
-        return [int(i) for i in chosen]
 
     def _shrink(self, new_lengths: dict[int, int], first_changed: list[int | None] | None = None) -> None:
         """Set the given layers' lengths (never longer); rows forget ids and hashes from the first position
@@ -395,17 +367,6 @@ class _Plan:
         self.view = PagedKV(block_tables, start + new_tokens)  # block_tables [B, M]; the writing layer's length
         positions = torch.arange(start, start + new_tokens, device=block_tables.device)
         self.slots = (block_tables[:, positions // block_size] * block_size + positions % block_size).reshape(-1)
-
-
-def _is_int(value) -> bool:
-    """A Python, NumPy or 0-d tensor integer (not a bool)."""
-    if isinstance(value, bool) or (isinstance(value, torch.Tensor) and value.dtype.is_floating_point):
-        return False
-    try:
-        operator.index(value)
-    except TypeError:
-        return False
-    return True
 
 
 def _config_dtype(config) -> torch.dtype:

@@ -65,13 +65,14 @@ Shape legend: ``B`` batch, ``H`` kv heads, ``T`` new tokens, ``S`` cached tokens
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from hf_kvspec.cache import channel
-from hf_kvspec.cache.contract import check_crop_length, check_keep_args, chosen_layers, gather_segment
+from hf_kvspec.cache.contract import check_crop_arg, check_crop_length, check_keep_args, gather_segment, layer_ids
 from hf_kvspec.cache.quantized_attention import MAX_FUSED_QUERIES, QuantizedKV
 from hf_kvspec.cache.quantized_stores import Fp8Store, Int8Store, KiviStore, QuantizedStore, Workspace
 from hf_kvspec.memory import check_quant_params, head_dim, is_mla, quantized_token_split
@@ -269,8 +270,7 @@ class QuantizedKVLayer(CacheLayerMixin):
     # ------------------------------------------------------------------------------------------------ edits
     def crop(self, tokens_to_remove: int) -> None:
         """Remove the newest ``-tokens_to_remove`` tokens (see the module docstring for the rule)."""
-        if tokens_to_remove > 0:
-            raise ValueError(f"crop({tokens_to_remove}): pass a negative number of tokens to remove, e.g. crop(-3).")
+        check_crop_arg(tokens_to_remove)
         if tokens_to_remove == 0 or not self.is_initialized:
             return
         self.truncate(max(0, self.get_seq_length() + tokens_to_remove))
@@ -384,23 +384,23 @@ class QuantizedKVCache(Cache):
         return sum(layer.nbytes() for layer in self.layers)
 
     # ------------------------------------------------------------------------------------------------ contract
-    def crop_layers(self, length: int, layers=None) -> None:
+    def crop_layers(self, length: int, layers: Iterable[int] | None = None) -> None:
         """C3: keep the first ``length`` tokens of the given layers (all by default), by the crop rule."""
-        chosen = chosen_layers(len(self.layers), layers)
+        chosen = layer_ids(len(self.layers), layers, "QuantizedKVCache.crop_layers")
         for i in chosen:
             check_crop_length(length, self.layers[i].get_seq_length(), i)
         for i in chosen:
-            self.layers[i].truncate(length)
+            self.layers[i].truncate(int(length))
 
-    def keep_positions(self, start: int, indices: torch.Tensor, layers=None) -> None:
+    def keep_positions(self, start: int, indices: torch.Tensor, layers: Iterable[int] | None = None) -> None:
         """C4: in every row b, move position ``start + indices[b, j]`` to ``start + j`` and drop the rest of the
         segment ``[start, length)``; indices [B, k]. Refused (nothing changed) if any chosen layer has flushed
         part of the segment into codes: the segment must fit in the residual window (module docstring)."""
-        chosen = chosen_layers(len(self.layers), layers)
+        chosen = layer_ids(len(self.layers), layers, "QuantizedKVCache.keep_positions")
         for i in chosen:
             self.layers[i].check_keep(start, indices, f"QuantizedKVCache.keep_positions on layer {i}")
         for i in chosen:
-            self.layers[i].keep_positions(start, indices)
+            self.layers[i].keep_positions(int(start), indices)
 
     def check_keep_capacity(self, segment: int) -> None:
         """Refuse up front a tree of ``segment`` nodes that ``keep_positions`` could not be sure to accept."""
