@@ -291,3 +291,39 @@ def test_layer_types_and_kwargs_per_layer():
     assert types == list(mixed.layer_types)
     assert [k.get("sliding_window") for k, t in zip(kwargs, types) if t == "sliding_attention"] == \
         [mixed.sliding_window] * types.count("sliding_attention")
+
+
+# --- self-speculation (partial_forward, EarlyExitAssistant, LayerSkipAssistant, ExitAdapter) ----------------------
+
+@pytest.mark.parametrize("kind,overrides", [("llama", {}), ("qwen2", {}), ("mistral", {"sliding_window": None})])
+def test_decoder_stack_pieces_run_one_by_one_reproduce_the_forward(kind, overrides):
+    """decoder_stack's claims: embed (no scale) -> each layer (a tensor out, shared rotary position_embeddings, a 4D
+    additive mask) -> norm -> lm_head is the model's forward; and hidden_states[i] for i < L is the raw output of
+    layers 0..i-1 while hidden_states[L] is already normalised (what ExitAdapter's exit_layer < L relies on)."""
+    from hf_kvspec.speculative.partial_forward import causal_key_mask
+
+    model = tiny_model(kind, num_hidden_layers=3, **overrides)
+    embed, layers, rotary, norm = _compat.decoder_stack(model)
+    assert (embed, norm) == (model.get_input_embeddings(), model.model.norm) and len(layers) == 3
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
+    positions = torch.arange(ids.shape[1])[None]
+    with torch.no_grad():
+        out = model(input_ids=ids, output_hidden_states=True, use_cache=False)
+        hidden = embed(ids)
+        assert torch.equal(hidden, out.hidden_states[0])  # no embedding scale
+        mask = causal_key_mask(torch.ones_like(ids), ids.shape[1], hidden.dtype)
+        rope = rotary(hidden, position_ids=positions)
+        for i, layer in enumerate(layers):
+            hidden = layer(hidden, attention_mask=mask, position_ids=positions, position_embeddings=rope)
+            assert isinstance(hidden, torch.Tensor), f"{kind} decoder layers no longer return a tensor"
+            if i + 1 < len(layers):  # fp32, same kernels, an explicit mask instead of the model's own: rounding
+                torch.testing.assert_close(hidden, out.hidden_states[i + 1], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(norm(hidden), out.hidden_states[-1], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(model.get_output_embeddings()(norm(hidden)), out.logits, atol=1e-5, rtol=1e-5)
+
+
+def test_decoder_stack_refuses_other_architectures_and_sliding_layers_by_name():
+    with pytest.raises(NotImplementedError, match="gemma2"):
+        _compat.decoder_stack(tiny_model("gemma2"))
+    with pytest.raises(NotImplementedError, match="sliding"):
+        _compat.decoder_stack(tiny_model("mistral"))  # tiny mistral has sliding_window=8
