@@ -27,6 +27,7 @@ Shape legend:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -41,6 +42,7 @@ ATTN_NAME = "kvspec_paged"
 class PagedKV(channel.StoredKV):
     """What a paged cache layer hands to the attention function through ``channel.KWARG``."""
 
+    reader: ClassVar[str] = ATTN_NAME
     block_tables: torch.Tensor  # [B, M] int64 physical block ids, row b's token t in block [b, t // P]
     kv_length: int  # S: tokens per row, cached + new (the same for every row)
 
@@ -138,22 +140,13 @@ def paged_attention_forward(
         raise ValueError("kvspec_paged attention is inference-only; use attn_implementation='sdpa' to train.")
     if kwargs.get("s_aux") is not None:
         raise NotImplementedError("kvspec_paged attention does not support attention sinks (s_aux).")
-    paged_kv = _handed_over(kwargs)
+    paged_kv = channel.take(kwargs, PagedKV, ATTN_NAME)
     if paged_kv is not None:
         key = gather_blocks(key, paged_kv.block_tables, paged_kv.kv_length)
         value = gather_blocks(value, paged_kv.block_tables, paged_kv.kv_length)
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
     causal = implicit_causal(attention_mask, query.shape[2], getattr(module, "is_causal", True), is_causal)
     return grouped_attention(query, key, value, attention_mask, scaling, softcap, causal), None
-
-
-def _handed_over(kwargs: dict) -> PagedKV | None:
-    """The ``PagedKV`` a paged cache handed over through the channel (``channel.KWARG``), if any."""
-    stored = channel.received(kwargs)
-    if stored is not None and not isinstance(stored, PagedKV):
-        raise TypeError(f"{ATTN_NAME} reads PagedKV, but the cache handed over {type(stored).__name__}; use the "
-                        "attention implementation that reads it (e.g. kvspec_quant for QuantizedKV).")
-    return stored
 
 
 def paged_attention_mask(**kwargs) -> torch.Tensor | None:
@@ -175,8 +168,7 @@ def register_paged_attention() -> None:
     """Register ``kvspec_paged`` with ``AttentionInterface`` and ``AttentionMaskInterface``. Idempotent."""
     from hf_kvspec.attention.patch import register_attention
 
-    register_attention(ATTN_NAME, paged_attention_forward, paged_attention_mask, _previous)
-    channel.register_reader(ATTN_NAME, PagedKV)
+    register_attention(ATTN_NAME, paged_attention_forward, paged_attention_mask, _previous, reads=PagedKV)
 
 
 def unregister_paged_attention() -> None:
@@ -184,4 +176,3 @@ def unregister_paged_attention() -> None:
     from hf_kvspec.attention.patch import unregister_attention
 
     unregister_attention(ATTN_NAME, _previous)
-    channel.unregister_reader(ATTN_NAME)

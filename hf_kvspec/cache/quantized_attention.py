@@ -30,6 +30,7 @@ Shape legend: ``B`` batch · ``Hq`` query heads · ``Hkv`` kv heads · ``G = Hq 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -47,6 +48,7 @@ class QuantizedKV(channel.StoredKV):
     """What a quantized layer hands to the attention function (through ``channel.KWARG``); the window's keys
     and values are the function's ``key`` / ``value`` arguments. Token order: ``[sinks | store | window]``."""
 
+    reader: ClassVar[str] = ATTN_NAME
     store: QuantizedStore
     sink_keys: torch.Tensor  # [B, Hkv, n_sink, D]
     sink_values: torch.Tensor  # [B, Hkv, n_sink, D]
@@ -115,7 +117,7 @@ def quantized_attention_forward(
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """``AttentionInterface`` entry: ``(out [B, T, Hq, D], None)``."""
-    quantized_kv = _handed_over(kwargs)
+    quantized_kv = channel.take(kwargs, QuantizedKV, ATTN_NAME)
     if quantized_kv is None:
         return _compat.sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                               scaling=scaling, is_causal=is_causal, **kwargs)
@@ -130,15 +132,6 @@ def quantized_attention_forward(
     return fused_quantized_attention(query, quantized_kv, key, value, attention_mask, scaling, causal), None
 
 
-def _handed_over(kwargs: dict) -> QuantizedKV | None:
-    """The ``QuantizedKV`` a quantized layer handed over through the channel (``channel.KWARG``), if any."""
-    stored = channel.received(kwargs)
-    if stored is not None and not isinstance(stored, QuantizedKV):
-        raise TypeError(f"{ATTN_NAME} reads QuantizedKV, but the cache handed over {type(stored).__name__}; use "
-                        "the attention implementation that reads it (e.g. kvspec_paged for PagedKV).")
-    return stored
-
-
 _previous: dict[str, tuple[object | None, object | None]] = {}  # entries under our name before register()
 
 
@@ -149,8 +142,7 @@ def register_quantized_attention() -> None:
 
     from hf_kvspec.attention.patch import register_attention
 
-    register_attention(ATTN_NAME, quantized_attention_forward, sdpa_mask, _previous)
-    channel.register_reader(ATTN_NAME, QuantizedKV)
+    register_attention(ATTN_NAME, quantized_attention_forward, sdpa_mask, _previous, reads=QuantizedKV)
 
 
 def unregister_quantized_attention() -> None:
@@ -158,7 +150,6 @@ def unregister_quantized_attention() -> None:
     from hf_kvspec.attention.patch import unregister_attention
 
     unregister_attention(ATTN_NAME, _previous)
-    channel.unregister_reader(ATTN_NAME)
 
 
 def enable_quantized_attention(model):
