@@ -19,6 +19,7 @@ SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 sys.path.insert(0, str(SCRIPTS))
 
 import measure_tree_choices as measure  # noqa: E402
+
 from bench import spec_bounds, spec_trees  # noqa: E402
 
 
@@ -33,7 +34,7 @@ def _brute_monotone(values: list[float]) -> list[float]:
             block = values[start:end]
             fit += [sum(block) / len(block)] * len(block)
             start = end
-        if all(a <= b + 1e-12 for a, b in zip(fit, fit[1:])):
+        if all(a <= b + 1e-12 for a, b in itertools.pairwise(fit)):
             err = sum((f - v) ** 2 for f, v in zip(fit, values))
             if err < best_err:
                 best, best_err = fit, err

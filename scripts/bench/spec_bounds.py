@@ -13,6 +13,7 @@ For bs=B rows, forwards scale with the tokens of all rows: ``c_v(B (N + 1)) / c_
 
 from __future__ import annotations
 
+import itertools
 import statistics
 from collections.abc import Mapping
 
@@ -42,7 +43,7 @@ def interpolate(table: Mapping[int, float], x: float) -> float:
     keys = sorted(table)
     if x <= keys[0]:
         return table[keys[0]]
-    for low, high in zip(keys, keys[1:]):
+    for low, high in itertools.pairwise(keys):
         if x <= high:
             return table[low] + (table[high] - table[low]) * (x - low) / (high - low)
     return table[keys[-1]]
