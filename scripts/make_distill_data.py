@@ -56,6 +56,7 @@ class Arguments:
     batch_size: int = 16
     max_items: int | None = field(default=None, metadata={"help": "stop after about this many new generations"})
     num_threads: int | None = None
+    device: str | None = field(default=None, metadata={"help": "default: cuda when available, else cpu"})
     sample: int = field(default=0, metadata={"help": "also write this many random rows to --sample_output"})
     sample_output: str | None = None
 
@@ -74,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
     model, tokenizer, recorded, _ = load_target(args.base_model)
+    model.to(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     held_out = HeldOut.from_file(args.held_out)
     cache_file = args.cache_file or args.output + ".cache.jsonl"
     started = time.time()

@@ -25,6 +25,8 @@ import random
 import re
 from pathlib import Path
 
+from hf_kvspec.heads.data import HeldOut
+
 HERE = Path(__file__).resolve().parent
 
 TOPICS = """
@@ -144,6 +146,7 @@ def build(seed: int = 0) -> list[str]:
         raise ValueError(f"Training prompts would overlap the held-out set: {sorted(clash)}")
     prompts = [tpl.format(t=t) for t in topics for tpl in TEMPLATES]
     prompts += [tpl.format(t=t) for t in tasks for tpl in CODE_TEMPLATES]
+    HeldOut.from_file(str(HERE / "chat_prompts_heldout.jsonl")).check(prompts)  # the library's check, as training
     random.Random(seed).shuffle(prompts)
     return prompts
 
