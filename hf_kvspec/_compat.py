@@ -1,5 +1,9 @@
 """The only module that touches transformers' private names (underscore attributes, internal helpers).
 
+Boundary: thin wrappers, one per private name or piece of private knowledge, and the version gate; no logic of
+hf_kvspec's own. Callers (caches, attention patches, the speculative loop, draft heads) import these helpers
+and never a transformers private name directly.
+
 Tested with transformers >=5.24,<6 (pyproject pins the same range). Each helper below names the private
 API it wraps; tests/test_compat.py holds a canary per private name that fails loudly when transformers
 changes under it (the name moved, or no longer behaves as relied on here).

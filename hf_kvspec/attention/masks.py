@@ -68,8 +68,12 @@ def additive_sdpa_mask(*args, dtype: torch.dtype = torch.float32, **kwargs) -> t
     from transformers.masking_utils import sdpa_mask
 
     keep = normalize_mask(sdpa_mask(*args, **kwargs))
-    if keep is None:
-        return None
+    return None if keep is None else additive_mask(keep, dtype)
+
+
+def additive_mask(keep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A bool mask (True = attend) as eager's additive float mask of the same shape: 0 = attend, ``finfo.min`` =
+    masked (a fully masked row softmaxes to uniform weights, rule 2). The one bool -> float conversion."""
     zero = torch.zeros((), dtype=dtype, device=keep.device)
     return torch.where(keep, zero, torch.finfo(dtype).min)
 

@@ -18,8 +18,8 @@ C2  **Per-layer lengths.** Each layer has its own length, ``get_seq_length(layer
     (self-speculation appends draft tokens to layers ``0..E-1`` only). Nothing infers "the first layer of a
     forward" from equal lengths.
 C3  **Roll back.** ``crop(-k)`` removes the newest ``k`` tokens of every layer (each from its own length; a
-    positive argument is refused, as in ``DynamicCache``). ``crop_layers(length, layers)`` keeps the first
-    ``length`` tokens of the given layers only.
+    positive argument is refused, as in ``DynamicCache``). ``crop_layers(length, layers=None)`` keeps the first
+    ``length`` tokens of the given layers (all by default) only.
 C4  **Keep positions.** ``keep_positions(start, indices, layers=None)``: ``indices`` ``[B, k]`` (int64, ascending
     per row, each in ``0..n-1`` for a newest segment of ``n = get_seq_length(layer) - start`` tokens) moves, in
     every row, position ``start + indices[b, j]`` to ``start + j`` and drops the rest of the segment: afterwards
@@ -27,7 +27,19 @@ C4  **Keep positions.** ``keep_positions(start, indices, layers=None)``: ``indic
     the caller masks those holes, as the chain loop does. Shared storage is never written (paged: copy-on-write).
 C5  **Batch edits.** ``reorder_cache``, ``batch_select_indices``, ``batch_repeat_interleave``, ``reset``.
 C6  **Refuse early.** An operation a cache cannot perform raises ``ValueError`` naming the rule and the fix before
-    anything changes (e.g. ``QuantizedKVCache.keep_positions`` on a segment already flushed into codes).
+    anything changes (e.g. ``QuantizedKVCache.keep_positions`` on a segment already flushed into codes). Bad
+    arguments get the same words from every cache: the checks are written once, in ``contract.py``
+    (``layer_ids``, ``check_crop_length``, ``check_keep_args``, ``check_crop_arg``). What a cache can do is asked
+    once, up front: ``contract.check_contract(cache, keep_positions=..., per_layer=..., segment=...)``.
+
+Where each operation lives:
+
+    op  PagedCache (paged.py)         QuantizedKVCache (quantized.py)     DynamicCache / StaticCache
+    C1  update                        QuantizedKVLayer.update             transformers
+    C2  get_seq_length(i)             QuantizedKVLayer.get_seq_length     transformers (per layer)
+    C3  crop, crop_layers             QuantizedKVLayer.crop, crop_layers  contract.crop_layers
+    C4  keep_positions                keep_positions                      contract.keep_positions
+    C5  reorder_cache, batch_*, reset QuantizedKVLayer (per layer)        transformers
 
 The one side channel (``channel.py``): when the model's attention implementation is one of ours that reads a
 cache's stored form (``kvspec_paged`` reads pages through block tables, ``kvspec_quant`` reads codes), the cache

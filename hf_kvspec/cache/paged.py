@@ -4,8 +4,8 @@ works — greedy, sampling, beam search, assisted / speculative decoding. It imp
 C1-C6 written in the docstring of ``hf_kvspec.cache``.
 
 Boundary: this class drives the layers (``paged_layer.py``: one page tensor pair and one length per layer);
-*which* block holds which token is decided by ``BlockTables`` / ``BlockPool`` (plain Python). Attention over the pages is ``attention/paged.py``; the
-one cache -> attention channel is ``cache/channel.py``.
+*which* block holds which token is decided by ``BlockTables`` / ``BlockPool`` (plain Python). Attention over
+the pages is ``attention/paged.py``; the one cache -> attention channel is ``cache/channel.py``.
 
 Per-layer lengths (C2): one block table per row, shared by all layers and sized to the longest layer
 (the table's *extent*); each layer keeps its own length and writes at it. One table rather than one per
@@ -80,7 +80,8 @@ _DEFAULT_BUDGET_FRACTION = 0.25  # of free device memory, when neither num_block
 
 
 class PagedCache(Cache):
-    """A paged KV cache usable as ``model.generate(ids, cache=PagedCache(model.config, ...))``.
+    """A paged KV cache usable as ``model.generate(ids, cache=PagedCache(model.config, ...))``; it obeys the
+    cache contract C1-C6 (docstring of ``hf_kvspec.cache``), how is in this module's docstring.
 
     Args:
         config: the model config (its text config is used).

@@ -350,6 +350,7 @@ class QuantizedKVLayer(CacheLayerMixin):
 
 class QuantizedKVCache(Cache):
     """KIVI int2/int4 (default), int8 or fp8 KV cache; pass it as ``model.generate(..., cache=QuantizedKVCache(...))``.
+    It obeys the cache contract C1-C6 (docstring of ``hf_kvspec.cache``) by the rules of this module's docstring.
 
     Args:
         config: the model's config (its text config is used); every layer must be full attention.
