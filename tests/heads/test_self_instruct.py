@@ -139,3 +139,35 @@ def test_written_recipe_renders_in_the_model_card(target, tmp_path):
     assert "Data recipe of the self-distilled chats" in card
     assert f"{recipe['self_instruct']['candidates']} candidates" in card
     assert "| self-instruct follow-up / greedy |" in card
+
+
+def test_train_drafter_reads_chats_and_refuses_leaks(target, tmp_path):
+    import sys
+
+    scripts = Path(__file__).resolve().parents[2] / "scripts"
+    sys.path.insert(0, str(scripts))
+    import train_drafter
+    from tests.heads.tiny_base import save_tiny_base
+
+    save_tiny_base(tmp_path / "base")
+    chats = self_instruct.write_data(_build(target, tmp_path / "cache.jsonl"), tmp_path / "chats.jsonl")
+    (tmp_path / "eval.jsonl").write_text(json.dumps({"prompt": "say one"}) + "\n")
+    args = ["--head", "medusa", "--num_heads", "1", "--base_model", str(tmp_path / "base"), "--max_steps", "1",
+            "--per_device_batch_size", "2", "--num_threads", "1", "--data_cache_dir", str(tmp_path / "data"),
+            "--distill_max_new_tokens", "2", "--eval_prompts", str(tmp_path / "eval.jsonl")]
+    train_drafter.main(args + ["--dataset", str(chats), "--output_dir", str(tmp_path / "out")])
+    summary = json.loads((tmp_path / "out" / "training_summary.json").read_text())
+    assert summary["data"][0]["sequences"] == len(chats.read_text().splitlines())
+    assert summary["data"][0]["recipe"]["rows"] == json.loads(self_instruct.recipe_path(chats).read_text())["rows"]
+    assert "Data recipe of the self-distilled chats" in (tmp_path / "out" / "README.md").read_text()
+    leaky = tmp_path / "leaky.jsonl"
+    rows = chats.read_text().splitlines() + [json.dumps(
+        {"messages": [{"role": "user", "content": "Say one!"}, {"role": "assistant", "content": "one"}]})]
+    leaky.write_text("\n".join(rows) + "\n")
+    with pytest.raises(HeldOutLeakError, match="1 of .* user turns of --dataset .*leaky.jsonl"):
+        train_drafter.main(args + ["--dataset", str(leaky), "--output_dir", str(tmp_path / "out2")])
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "say one"}) + "\n")
+    with pytest.raises(HeldOutLeakError, match="prompts of --dataset"):
+        train_drafter.main(args + ["--dataset", str(prompts), "--check_held_out", "true", "--self_distill", "true",
+                                   "--output_dir", str(tmp_path / "out3")])
