@@ -169,6 +169,7 @@ class QuantSettings:
 
 
 def _take(x: torch.Tensor, start: int, end: int | None = None) -> torch.Tensor:
+    """x [B, H, S, D] -> tokens ``start:end`` [B, H, end - start, D] (a view)."""
     return x[:, :, start:end]
 
 
