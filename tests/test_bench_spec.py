@@ -131,6 +131,9 @@ def test_method_names_are_checked():
         spec_trees.make_assistant("medusa:chain:3", heads=None)
     with pytest.raises(SystemExit, match="unknown method"):
         spec_trees.make_assistant("eagle:dynamic:5:4", heads=None)
+    with pytest.raises(SystemExit, match="unknown option"):
+        spec_trees.make_assistant("eagle:chain:4@vocab", heads=None)
+    assert spec_trees._options("m", ["vocab4096", "auto"]) == {"draft_vocab_size": 4096, "num_draft_tokens": "auto"}
 
 
 def test_held_out_prompts_spread_evenly():

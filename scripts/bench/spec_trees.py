@@ -13,6 +13,7 @@ Methods (``--tree-methods``, comma list; ``plain`` is always run as the baseline
     eagle:chain:D                                    EagleAssistant(head, tree="chain", depth=D)
     eagle:static:small | eagle:static:default        EagleAssistant(head, tree=<that choice list>)
     eagle:dynamic:D:K:T                              EagleAssistant(head, depth=D, top_k=K, total_tokens=T)
+    any of these + @vocabN and/or @auto               draft_vocab_size=N (FR-Spec), num_draft_tokens="auto"
 
 Every repeat first times the target's forward over 1..64 new tokens on a warm cache of a prompt's length
 (``c_v(T)`` = time(T) / time(1)), then runs every method once on each prompt, the order rotated per repeat; medians
@@ -45,19 +46,34 @@ def make_assistant(method: str, heads):
     """A fresh assistant for one ``generate`` call from a method name (see the module docstring)."""
     import hf_kvspec
 
-    kind, *spec = method.split(":")
+    name, *options = method.split("@")
+    extra = _options(method, options)
+    kind, *spec = name.split(":")
     if kind == "medusa" and len(spec) == 1:
         tree = _measured_choices(int(spec[0])) if spec[0].isdigit() else spec[0]
-        return hf_kvspec.MedusaAssistant(heads, tree=tree)
+        return hf_kvspec.MedusaAssistant(heads, tree=tree, **extra)
     if kind == "eagle" and spec[:1] == ["chain"] and len(spec) == 2:
-        return hf_kvspec.EagleAssistant(heads, tree="chain", depth=int(spec[1]))
+        return hf_kvspec.EagleAssistant(heads, tree="chain", depth=int(spec[1]), **extra)
     if kind == "eagle" and spec[:1] == ["static"] and len(spec) == 2:
         tree = _measured_choices(int(spec[1])) if spec[1].isdigit() else spec[1]
-        return hf_kvspec.EagleAssistant(heads, tree=tree)
+        return hf_kvspec.EagleAssistant(heads, tree=tree, **extra)
     if kind == "eagle" and spec[:1] == ["dynamic"] and len(spec) == 4:
         depth, top_k, total = map(int, spec[1:])
-        return hf_kvspec.EagleAssistant(heads, tree="dynamic", depth=depth, top_k=top_k, total_tokens=total)
+        return hf_kvspec.EagleAssistant(heads, tree="dynamic", depth=depth, top_k=top_k, total_tokens=total, **extra)
     raise SystemExit(f"unknown method {method!r}; see `scripts/benchmark.py spec --help` and bench/spec_trees.py")
+
+
+def _options(method: str, options: list[str]) -> dict:
+    """``@vocabN`` -> draft_vocab_size=N (FR-Spec), ``@auto`` -> num_draft_tokens="auto"."""
+    extra = {}
+    for option in options:
+        if option == "auto":
+            extra["num_draft_tokens"] = "auto"
+        elif option.startswith("vocab") and option.removeprefix("vocab").isdigit():
+            extra["draft_vocab_size"] = int(option.removeprefix("vocab"))
+        else:
+            raise SystemExit(f"unknown option @{option} in {method!r}; use @vocabN or @auto")
+    return extra
 
 
 def _measured_choices(nodes: int) -> list[tuple[int, ...]]:
