@@ -170,7 +170,7 @@ def run(args) -> None:
     cells = [((1, mode, i), _chat_inputs(tokenizer, [p]), MODES[mode])
              for mode in [m for m in args.modes.split(",") if m] for i, p in enumerate(prompts)]
     if not args.skip_batch:
-        cells.append(((4, "greedy", 0), _chat_inputs(tokenizer, prompts[:4]), MODES["greedy"]))
+        cells.append(((4, "greedy", 0), _chat_inputs(tokenizer, held_out_prompts(4)), MODES["greedy"]))
     for method in methods:  # warm-up: every path once
         _generate(model, heads, method, _chat_inputs(tokenizer, ["Hi"]), MODES["greedy"], 8)
     costs: dict[int, list[float]] = {}
@@ -182,7 +182,7 @@ def run(args) -> None:
     report = Report(f"spec.{args.part}" if args.part else f"spec.{args.assistant}", TITLE, COLUMNS,
                     settings={"assistant": args.assistant, "methods": methods, "new_tokens": args.new_tokens,
                               "repeats": args.repeats, "prompts": f"{len(prompts)} of {HELD_OUT}",
-                              "modes": args.modes, "batch": "bs=4 greedy on the first 4 prompts" * (not args.skip_batch),
+                              "modes": args.modes, "batch": "bs=4 greedy on 4 prompts spread over the file" * (not args.skip_batch),
                               "threads": torch.get_num_threads(), "model": "smollm2-135m-instruct fp32",
                               "load_average_before_after": [load_before, _load()]})
     for row in aggregate_rows(samples, methods, cost_v, step_s, eos[0] if isinstance(eos, list) else eos):
