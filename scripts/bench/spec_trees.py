@@ -182,7 +182,8 @@ def run(args) -> None:
     report = Report(f"spec.{args.part}" if args.part else f"spec.{args.assistant}", TITLE, COLUMNS,
                     settings={"assistant": args.assistant, "methods": methods, "new_tokens": args.new_tokens,
                               "repeats": args.repeats, "prompts": f"{len(prompts)} of {HELD_OUT}",
-                              "modes": args.modes, "batch": "bs=4 greedy on 4 prompts spread over the file" * (not args.skip_batch),
+                              "modes": args.modes,
+                              "batch": "" if args.skip_batch else "bs=4 greedy on 4 prompts spread over the file",
                               "threads": torch.get_num_threads(), "model": "smollm2-135m-instruct fp32",
                               "load_average_before_after": [load_before, _load()]})
     for row in aggregate_rows(samples, methods, cost_v, step_s, eos[0] if isinstance(eos, list) else eos):
