@@ -175,7 +175,7 @@ class BlockTables:
         """
         if len(spans) != self.num_rows:
             raise ValueError(f"prepare_writes() got {len(spans)} spans for {self.num_rows} rows.")
-        for row, (lo, hi) in enumerate(spans):
+        for row, (lo, _hi) in enumerate(spans):
             if not 0 <= lo <= self._lengths[row]:
                 raise ValueError(f"prepare_writes(): row {row} holds {self._lengths[row]} tokens; a write must "
                                  f"start inside them or at their end, not at {lo}.")

@@ -16,8 +16,8 @@ from hf_kvspec.attention.paged import ATTN_NAME, PagedKV, register_paged_attenti
 from hf_kvspec.cache import channel
 from hf_kvspec.cache.block_pool import BlockPool, OutOfBlocksError
 from hf_kvspec.cache.block_table import BlockTables
-from hf_kvspec.cache.prefix_hash import block_hashes
 from hf_kvspec.cache.paged import PagedCache
+from hf_kvspec.cache.prefix_hash import block_hashes
 from tests.tiny_models import tiny_config, tiny_model
 
 LAYERS, HEADS, DIM = 3, 2, 4  # the contract tests drive the cache directly: [B, HEADS, T, DIM] K/V per layer

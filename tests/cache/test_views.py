@@ -117,7 +117,7 @@ def test_view_reads_only_sinks_window_and_drafts():
         new_ids, new_positions = _new_tokens(positions)
         _view_logits(model, cache, mask, new_ids, new_positions, sinks=2, window=5)
     layers = model.config.num_hidden_layers
-    assert _RECORDED == [(1, 2 + 5 + t + 1) for t in range(3) for _ in range(layers)]
+    assert [(1, 2 + 5 + t + 1) for t in range(3) for _ in range(layers)] == _RECORDED
 
 
 def test_refuses_a_cache_it_cannot_read_by_column():
