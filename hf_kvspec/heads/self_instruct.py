@@ -299,7 +299,8 @@ def _follow_ups(gen: _Generator, settings: RecipeSettings, sieve: _Filter, recip
     replies = gen.texts("follow-up-answers", chats, None, settings.answer_max_new_tokens)
     if replies is None:
         return None
-    return [_row(chat + [_assistant(reply)], "self-instruct follow-up", "greedy") for chat, reply in zip(chats, replies)]
+    return [_row([*chat, _assistant(reply)], "self-instruct follow-up", "greedy")
+            for chat, reply in zip(chats, replies)]
 
 
 def _assistant(text: str) -> dict:

@@ -90,7 +90,7 @@ def test_resume_after_interruption_equals_an_uninterrupted_run(target, tmp_path)
         assert not part.rows
     assert runs > 3 and part.rows == whole.rows
     assert sorted(cache.read_text().splitlines()) == sorted((tmp_path / "whole.jsonl").read_text().splitlines())
-    model, tokenizer = target
+    model, _tokenizer = target
     calls = []
     original = model.generate
     model.generate = lambda *a, **k: calls.append(1)  # a complete cache must not generate again
@@ -147,6 +147,7 @@ def test_train_drafter_reads_chats_and_refuses_leaks(target, tmp_path):
     scripts = Path(__file__).resolve().parents[2] / "scripts"
     sys.path.insert(0, str(scripts))
     import train_drafter
+
     from tests.heads.tiny_base import save_tiny_base
 
     save_tiny_base(tmp_path / "base")
@@ -155,19 +156,19 @@ def test_train_drafter_reads_chats_and_refuses_leaks(target, tmp_path):
     args = ["--head", "medusa", "--num_heads", "1", "--base_model", str(tmp_path / "base"), "--max_steps", "1",
             "--per_device_batch_size", "2", "--num_threads", "1", "--data_cache_dir", str(tmp_path / "data"),
             "--distill_max_new_tokens", "2", "--eval_prompts", str(tmp_path / "eval.jsonl")]
-    train_drafter.main(args + ["--dataset", str(chats), "--output_dir", str(tmp_path / "out")])
+    train_drafter.main([*args, "--dataset", str(chats), "--output_dir", str(tmp_path / "out")])
     summary = json.loads((tmp_path / "out" / "training_summary.json").read_text())
     assert summary["data"][0]["sequences"] == len(chats.read_text().splitlines())
     assert summary["data"][0]["recipe"]["rows"] == json.loads(self_instruct.recipe_path(chats).read_text())["rows"]
     assert "Data recipe of the self-distilled chats" in (tmp_path / "out" / "README.md").read_text()
     leaky = tmp_path / "leaky.jsonl"
-    rows = chats.read_text().splitlines() + [json.dumps(
-        {"messages": [{"role": "user", "content": "Say one!"}, {"role": "assistant", "content": "one"}]})]
+    leak = {"messages": [{"role": "user", "content": "Say one!"}, {"role": "assistant", "content": "one"}]}
+    rows = [*chats.read_text().splitlines(), json.dumps(leak)]
     leaky.write_text("\n".join(rows) + "\n")
-    with pytest.raises(HeldOutLeakError, match="1 of .* user turns of --dataset .*leaky.jsonl"):
-        train_drafter.main(args + ["--dataset", str(leaky), "--output_dir", str(tmp_path / "out2")])
+    with pytest.raises(HeldOutLeakError, match=r"1 of .* user turns of --dataset .*leaky\.jsonl"):
+        train_drafter.main([*args, "--dataset", str(leaky), "--output_dir", str(tmp_path / "out2")])
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"prompt": "say one"}) + "\n")
     with pytest.raises(HeldOutLeakError, match="prompts of --dataset"):
-        train_drafter.main(args + ["--dataset", str(prompts), "--check_held_out", "true", "--self_distill", "true",
-                                   "--output_dir", str(tmp_path / "out3")])
+        train_drafter.main([*args, "--dataset", str(prompts), "--check_held_out", "true", "--self_distill", "true",
+                            "--output_dir", str(tmp_path / "out3")])
