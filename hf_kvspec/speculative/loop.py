@@ -109,9 +109,17 @@ class SpeculativeDecoder:
             if assistant.wants_hidden_states else None
 
     # ------------------------------------------------------------------------------------------ driver
+    def _check_cache_capabilities(self) -> None:
+        """Before any forward: the cache rolls back, keeps a tree's path of up to ``max_draft_tokens`` nodes (+ the
+        root) when the drafter proposes trees, and crops layer ranges when it drafts on the target's own cache."""
+        trees = bool(getattr(self.assistant, "proposes_trees", False))
+        nodes = int(getattr(self.assistant, "max_draft_tokens", 16))
+        check_cache(self.cache, keep_positions=trees, per_layer=bool(getattr(self.assistant, "shares_target_cache", False)),
+                    segment=nodes + 1 if trees else None)
+
     def run(self, input_ids: torch.Tensor, model_kwargs: dict):
         self.cache = model_kwargs.get("cache")
-        check_cache(self.cache)
+        self._check_cache_capabilities()
         self.sliding = prepare_for_rollback(self.cache)
         _check_kwargs(model_kwargs)
         batch = input_ids.shape[0]

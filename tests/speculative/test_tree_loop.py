@@ -324,3 +324,17 @@ def test_negative_control_path_blind_processors_are_caught(target, monkeypatch):
                         lambda processor, history, tree, logits: processor(history, tree.tokens[:, :0], logits))
     out = _speculative(target, ids, mask, TreeDrafter("oracle", expected, True, target.config.vocab_size))
     assert not torch.equal(out, expected)
+
+
+def test_a_window_too_small_for_the_tree_is_refused_before_any_forward(target):
+    ids, mask = batch(1)
+    drafter = TreeDrafter("random", _plain(target, ids, mask), per_row=False, vocab=target.config.vocab_size)
+    cache = hf_kvspec.QuantizedKVCache(target.config, method="int8", residual_length=4)  # tree: 7 nodes + root
+    calls = []
+    handle = target.register_forward_hook(lambda *args: calls.append(1))
+    try:
+        with pytest.raises(ValueError, match="full-precision window"):
+            _speculative(target, ids, mask, drafter, cache=cache)
+    finally:
+        handle.remove()
+    assert calls == []  # refused up front, not at the first keep_positions after a prefill

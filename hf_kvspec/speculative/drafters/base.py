@@ -124,6 +124,7 @@ class Drafter(abc.ABC):
         if not is_count(max_draft_tokens, minimum=1):  # checked without "auto" too
             raise ValueError(f"max_draft_tokens must be a positive int, got {max_draft_tokens!r}")
         self.num_draft_tokens = num_draft_tokens
+        self.max_draft_tokens = max_draft_tokens  # most nodes a proposal holds (sizes the caches' checks)
         self.auto = AutoDraftLength(max_draft_tokens=max_draft_tokens) if num_draft_tokens == "auto" else None
         self.stats = AcceptanceStats()
 
