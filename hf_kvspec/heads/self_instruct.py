@@ -150,7 +150,9 @@ def _batch_seed(seed: int, stage: str, n: int) -> int:
 
 def clean_request(text: str) -> str | None:
     """The message itself (labels like "User:" and wrapping quotes removed, first paragraph), or None when it is too
-    short or too long to be a request."""
+    short or too long to be a request, or is labelled as an answer."""
+    if re.match(r"(?:your (?:new )?)?answer\s*:", text.strip(), re.IGNORECASE):
+        return None  # the model went on writing an answer, not the user's next message
     text = _LABEL.sub("", text.strip()).strip()
     text = text.split("\n\n")[0].strip().strip("\"'“”").strip()
     if len(text) < 15 or len(text) > 500 or len(text.split()) < 4:

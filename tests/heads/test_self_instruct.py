@@ -116,6 +116,7 @@ def test_message_example_trains_on_the_last_answer_only():
 def test_clean_request_and_passages():
     assert clean_request('User: "How do I repot a cactus safely?"\n\nSure!') == "How do I repot a cactus safely?"
     assert clean_request("Hiking!") is None
+    assert clean_request("Answer: That one question I was supposed to have was all well and good.") is None
     text = "Title\n=====\n\n.. note:: skip\n\n" + "The :func:`open` function reads files. " * 8 + "\n\n  indented"
     assert prose_paragraphs(text) == [("The open function reads files. " * 8).strip()]
     source = 'def f(x):\n    """Doc."""\n    y = x\n    return y\n\n\ndef g():\n    return 1\n'
