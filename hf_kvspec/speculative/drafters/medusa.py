@@ -31,7 +31,7 @@ ACCEPTANCE_RULES = ("exact", "typical")
 class MedusaAssistant(Drafter):
     """``MedusaAssistant(heads, tree="default", acceptance="exact")``: Medusa-1 heads drafting a static tree.
 
-    ``tree``: ``"default"`` (26 nodes), ``"small"`` (10), ``"chain"`` (one node per head) or a choice list
+    ``tree``: ``"default"`` (26 nodes), ``"small"`` (8), ``"chain"`` (one node per head) or a choice list
     (``[(0,), (1,), (0, 0), ...]``, see ``hf_kvspec.speculative.tree``). ``num_draft_tokens`` caps the nodes
     (the tree's first nodes, which form a tree); ``None`` = the whole tree; ``"auto"`` = a truncation chosen each
     round from measured acceptance and verify cost (``autotree.AutoTreeSize``). Near ``max_new_tokens`` the loop
