@@ -13,6 +13,7 @@ measured in the same run; KV bytes from the formula (``kv_cache_bytes`` + the vi
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import statistics
@@ -21,9 +22,8 @@ import time
 import torch
 from transformers import DynamicCache
 
-from bench.harness import Report
-
 import hf_kvspec
+from bench.harness import Report
 from hf_kvspec.cache.views import StreamingView
 from hf_kvspec.memory import kv_cache_bytes, quantized_view_bytes, sparse_view_bytes
 
@@ -36,6 +36,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--sink-tokens", type=int, default=4)
     parser.add_argument("--window", type=int, default=256)
     parser.add_argument("--k", type=int, default=4, help="draft tokens per round (fixed-K runs)")
+    parser.add_argument("--attention", choices=("kvspec_gqa", "sdpa"), default="kvspec_gqa",
+                        help="the target's attention for plain and streaming runs (quantized runs use kvspec_quant). "
+                             "sdpa copies K/V per query head (repeat_kv) whenever a mask comes with more than one "
+                             "query, which makes every verify forward pay for it at long context")
 
 
 def _prompts(tokenizer, context: int, batch: int) -> torch.Tensor:
@@ -120,21 +124,30 @@ def _step_costs(model, cache, ids, args, repeats: int = 5) -> dict:
             "c_d": statistics.median(times["draft"]) / step}
 
 
+@contextlib.contextmanager
+def _attention(model, name: str):
+    """The model on attention ``name`` for the block (``sdpa``: as loaded), switched back afterwards."""
+    enable = {"kvspec_gqa": hf_kvspec.enable_gqa, "kvspec_quant": hf_kvspec.enable_quantized_attention}.get(name)
+    patch = enable(model) if enable is not None else None
+    try:
+        yield
+    finally:
+        if patch is not None:
+            patch.remove()
+
+
 def _measure(model, tokenizer, context, batch, args, report) -> None:
     ids = _prompts(tokenizer, context, batch)
     load_before = _load()
     base = _prefill(model, ids)
-    costs = _step_costs(model, base, ids, args)
+    with _attention(model, args.attention):
+        costs = _step_costs(model, base, ids, args)
     runs, samples, stats = _runs(args), {}, {}
     for _ in range(args.repeats):
         for name, (factory, sampling, quantized) in runs.items():
             cache = copy.deepcopy(base)
-            patch = hf_kvspec.enable_quantized_attention(model) if quantized else None
-            try:
+            with _attention(model, "kvspec_quant" if quantized else args.attention):
                 seconds, assistant = _decode(model, ids, cache, factory, sampling, args.new_tokens)
-            finally:
-                if patch is not None:
-                    patch.remove()
             samples.setdefault(name, []).append(seconds)
             stats[name] = (assistant, _cache_bytes(cache))
     config = model.config
