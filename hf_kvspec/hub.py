@@ -115,8 +115,8 @@ def render_model_card(config, fields: CardFields | None = None, template: str | 
     import jinja2
 
     if getattr(config, "model_type", None) not in _KIND:
-        raise TypeError(f"render_model_card takes a draft head's config (MedusaConfig, EagleConfig or "
-                        f"ExitAdapterConfig, e.g. "
+        raise TypeError(f"render_model_card takes a draft head's config (MedusaConfig or EagleConfig, or an "
+                        f"ExitAdapterConfig; e.g. "
                         f"head.config), got {type(config).__name__}.")
     fields = fields or CardFields()
     path = Path(template) if template else TEMPLATE_DIR / _TEMPLATES.get(config.model_type, DEFAULT_TEMPLATE)
