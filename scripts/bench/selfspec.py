@@ -16,9 +16,9 @@ Methods, bs=1, greedy, four held-out chat prompts (never trained on), interleave
 
 Columns: tau (tokens per target verify), speed vs plain and vs hf/early_exit, identical output, layer forwards
 per generated token (forward pre-hooks on every decoder layer count the columns each call processes, divided by
-the layer count: plain decoding is 1.0), and ``bound``: 1 / the weighted work per generated token, where a column
-through a decoder layer, through the LM head and through the adapter each weigh their parameter count (plain
-decoding = 1: L layer columns + one head column per token). It is the speed if time were proportional to
+the layer count; the prefill is included), and ``bound``: plain's weighted work per generated token / the method's,
+where a column through a decoder layer, through the LM head and through the adapter each weigh their parameter
+count (plain = 1). It is the speed if time were proportional to
 column x weights, i.e. compute-bound; batched verify columns cost less than that on a memory-bound device, so a
 speed above the bound is possible. The machine load (``uptime``) is recorded with the results: the CPU is shared.
 """
@@ -184,7 +184,7 @@ def _measure(methods, model, inputs, args, skip, layers, adapter=None) -> list[d
         total = sum(per_prompt[method])
         same = all(torch.equal(outputs[(method, i)], outputs[("plain", i)]) for i in range(len(inputs)))
         tau = statistics.mean(taus[method]) if taus[method] else None
-        bound = 1.0 / statistics.mean(work[method])
+        bound = statistics.mean(work["plain"]) / statistics.mean(work[method])  # plain = 1 (prefill included)
         rows.append(dict(method=method, seconds=round(total, 3), vs_plain=round(base / total, 3),
                          vs_hf_early_exit=round(hf / total, 3) if hf else None, identical=same,
                          tau=round(tau, 3) if tau else None,
