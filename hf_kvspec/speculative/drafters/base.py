@@ -77,6 +77,42 @@ class DraftProposal:
     draft_forwards: int = 0  # model forward passes spent on this proposal (telemetry)
 
 
+class ChainDraft:
+    """A chain drafted one token at a time from a drafter's logits, processed exactly as the target's scores are.
+
+    Each ``next(logits)`` processes ``logits`` [B, 1, V] after each row's history and the tokens drafted so far, then
+    samples (keeping the distribution, for exact rejection sampling) when ``ctx.do_sample`` and ``sample``, else
+    takes the argmax. ``proposal()`` is the ``DraftProposal`` of the chain.
+    """
+
+    def __init__(self, ctx: DraftContext, empty: torch.Tensor, sample: bool = True):
+        self.ctx, self.sample = ctx, sample and ctx.do_sample
+        self.empty = empty  # [B, 0] int64: the drafted prefix before the first token
+        self.tokens: list[torch.Tensor] = []  # [B] each
+        self.probs: list[torch.Tensor] = []  # [B, V] each, when sampling
+
+    def drafted(self) -> torch.Tensor:  # [B, n]
+        return torch.stack(self.tokens, dim=1) if self.tokens else self.empty
+
+    def next(self, logits: torch.Tensor) -> torch.Tensor:
+        """The next draft token [B] after ``logits`` [B, 1, V]."""
+        from hf_kvspec.speculative.verify import sample_tokens
+
+        scores = self.ctx.process(logits, self.drafted(), start=len(self.tokens))[:, 0]  # [B, V]
+        if self.sample:
+            dist = torch.softmax(scores, dim=-1)
+            token = sample_tokens(dist)
+            self.probs.append(dist)
+        else:
+            token = scores.argmax(dim=-1)
+        self.tokens.append(token)
+        return token
+
+    def proposal(self) -> DraftProposal:
+        return DraftProposal(self.drafted(), torch.stack(self.probs, dim=1) if self.probs else None,
+                             draft_forwards=len(self.tokens))
+
+
 @dataclass
 class RoundOutcome:
     """What the loop tells a drafter after verifying its proposal."""

@@ -24,9 +24,8 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
-from hf_kvspec.speculative.drafters.base import DraftContext, Drafter, DraftProposal, RoundOutcome
+from hf_kvspec.speculative.drafters.base import ChainDraft, DraftContext, Drafter, DraftProposal, RoundOutcome
 from hf_kvspec.speculative.rollback import prepare_for_rollback
-from hf_kvspec.speculative.verify import sample_tokens
 
 
 class DraftModelAssistant(Drafter):
@@ -76,22 +75,14 @@ class DraftModelAssistant(Drafter):
         logits = self._forward(buffer.tokens[:, self.cached:], buffer.attention_mask(1),
                                buffer.positions[:, self.cached:])
         self.cached = buffer.width
-        tokens, probs = [], []
+        chain = ChainDraft(ctx, buffer.tokens.new_zeros(buffer.tokens.shape[0], 0), sample=self.sample_drafts)
         for step in range(count):
-            drafted = torch.stack(tokens, dim=1) if tokens else buffer.tokens.new_zeros(buffer.tokens.shape[0], 0)
-            scores = ctx.process(logits, drafted, start=step)[:, 0]  # [B, V]
-            if ctx.do_sample and self.sample_drafts:
-                dist = torch.softmax(scores, dim=-1)
-                tokens.append(sample_tokens(dist))
-                probs.append(dist)
-            else:
-                tokens.append(scores.argmax(dim=-1))
+            token = chain.next(logits)
             if step + 1 < count:  # the last draft token is never fed: the target verifies it
-                logits = self._forward(tokens[-1][:, None], buffer.attention_mask(step + 2),
+                logits = self._forward(token[:, None], buffer.attention_mask(step + 2),
                                        buffer.next_positions(step + 2)[:, -1:])
                 self.cached += 1
-        return DraftProposal(torch.stack(tokens, dim=1), torch.stack(probs, dim=1) if probs else None,
-                             draft_forwards=count)
+        return chain.proposal()
 
     def _draft_ids(self, ids: torch.Tensor) -> torch.Tensor:
         """Target ids [B, T] as the draft can embed them (see the module docstring)."""

@@ -29,9 +29,8 @@ from __future__ import annotations
 import torch
 
 from hf_kvspec.cache.contract import crop_layers
-from hf_kvspec.speculative.drafters.base import DraftContext, Drafter, DraftProposal
+from hf_kvspec.speculative.drafters.base import ChainDraft, DraftContext, Drafter, DraftProposal
 from hf_kvspec.speculative.partial_forward import PartialForward
-from hf_kvspec.speculative.verify import sample_tokens
 
 
 class EarlyExitAssistant(Drafter):
@@ -88,24 +87,15 @@ class EarlyExitAssistant(Drafter):
     def _draft(self, ctx: DraftContext, early: range) -> DraftProposal:
         buffer, count = ctx.buffer, ctx.num_draft_tokens
         ids = buffer.tokens[:, -1:]  # [B, 1] the root
-        tokens, probs, kept = [], [], []
+        chain, kept = ChainDraft(ctx, ids[:, :0]), []
         for step in range(count):
             positions = buffer.next_positions(step + 1)[:, -1:]  # [B, 1]
             state = self.stack.run(self.stack.embed(ids), early, buffer.attention_mask(step + 1), positions,
                                    ctx.target_cache)  # [B, 1, H] layer-E input
             kept.append(state)
-            drafted = torch.stack(tokens, dim=1) if tokens else ids[:, :0]
-            scores = ctx.process(self.exit_logits(state), drafted, start=step)[:, 0]  # [B, V]
-            if ctx.do_sample:
-                dist = torch.softmax(scores, dim=-1)
-                tokens.append(sample_tokens(dist))
-                probs.append(dist)
-            else:
-                tokens.append(scores.argmax(dim=-1))
-            ids = tokens[-1][:, None]
+            ids = chain.next(self.exit_logits(state))[:, None]
         self.kept = torch.cat(kept, dim=1)  # [B, N, H]
-        return DraftProposal(torch.stack(tokens, dim=1), torch.stack(probs, dim=1) if probs else None,
-                             draft_forwards=count)
+        return chain.proposal()
 
     def exit_logits(self, state: torch.Tensor) -> torch.Tensor:
         """Layer-E states [B, T, H] -> draft logits [B, T, V] (adapter, final norm, shared LM head)."""

@@ -32,9 +32,8 @@ import torch
 from transformers import DynamicCache
 
 from hf_kvspec.cache.contract import crop_layers
-from hf_kvspec.speculative.drafters.base import DraftContext, Drafter, DraftProposal
+from hf_kvspec.speculative.drafters.base import ChainDraft, DraftContext, Drafter, DraftProposal
 from hf_kvspec.speculative.partial_forward import PartialForward
-from hf_kvspec.speculative.verify import sample_tokens
 
 
 class LayerSkipAssistant(Drafter):
@@ -82,22 +81,13 @@ class LayerSkipAssistant(Drafter):
     def _draft(self, ctx: DraftContext) -> DraftProposal:
         buffer, count = ctx.buffer, ctx.num_draft_tokens
         ids = buffer.tokens[:, -1:]  # [B, 1] the root
-        tokens, probs = [], []
+        chain = ChainDraft(ctx, ids[:, :0])
         for step in range(count):
             positions = buffer.next_positions(step + 1)[:, -1:]  # [B, 1]
             state = self.stack.run(self.stack.embed(ids), self.kept_layers, buffer.attention_mask(step + 1),
                                    positions, ctx.target_cache)  # [B, 1, H]
-            drafted = torch.stack(tokens, dim=1) if tokens else ids[:, :0]
-            scores = ctx.process(self.stack.logits(state), drafted, start=step)[:, 0]  # [B, V]
-            if ctx.do_sample:
-                dist = torch.softmax(scores, dim=-1)
-                tokens.append(sample_tokens(dist))
-                probs.append(dist)
-            else:
-                tokens.append(scores.argmax(dim=-1))
-            ids = tokens[-1][:, None]
-        return DraftProposal(torch.stack(tokens, dim=1), torch.stack(probs, dim=1) if probs else None,
-                             draft_forwards=count)
+            ids = chain.next(self.stack.logits(state))[:, None]
+        return chain.proposal()
 
     # ------------------------------------------------------------------------------------------ search
     @torch.no_grad()

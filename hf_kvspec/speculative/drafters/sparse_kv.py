@@ -39,8 +39,7 @@ import torch
 
 from hf_kvspec.cache.contract import seq_lengths
 from hf_kvspec.cache.views import StreamingView, read_columns
-from hf_kvspec.speculative.drafters.base import DraftContext, Drafter, DraftProposal
-from hf_kvspec.speculative.verify import sample_tokens
+from hf_kvspec.speculative.drafters.base import ChainDraft, DraftContext, Drafter, DraftProposal
 
 VIEWS = ("streaming", "quantized")
 
@@ -98,21 +97,12 @@ class SparseKVAssistant(Drafter):
         """K draft tokens [B, K]: the root, then each draft but the last, fed one at a time through ``cache``."""
         buffer, count = ctx.buffer, ctx.num_draft_tokens
         ids, positions = buffer.tokens[:, -1:], buffer.positions[:, -1:]  # [B, 1] each
-        tokens, probs = [], []
+        chain = ChainDraft(ctx, ids[:, :0], sample=self.sample_drafts)
         for step in range(count):
             logits = self.model(input_ids=ids, attention_mask=mask_for(step), position_ids=positions, cache=cache,
                                 use_cache=True, logits_to_keep=1).logits  # [B, 1, V]
-            drafted = torch.stack(tokens, dim=1) if tokens else ids[:, :0]
-            scores = ctx.process(logits, drafted, start=step)[:, 0]  # [B, V]
-            if ctx.do_sample and self.sample_drafts:
-                dist = torch.softmax(scores, dim=-1)
-                tokens.append(sample_tokens(dist))
-                probs.append(dist)
-            else:
-                tokens.append(scores.argmax(dim=-1))
-            ids, positions = tokens[-1][:, None], positions + 1
-        return DraftProposal(torch.stack(tokens, dim=1), torch.stack(probs, dim=1) if probs else None,
-                             draft_forwards=count)
+            ids, positions = chain.next(logits)[:, None], positions + 1
+        return chain.proposal()
 
     # ------------------------------------------------------------------------------------------ quantized shadow
     def _sync_shadow(self, cache, committed: int, batch: int):
