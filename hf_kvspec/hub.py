@@ -24,6 +24,15 @@ HELD_OUT_KEYS = ("tau", "per_head_top1", "emitted_tokens", "target_forwards", "p
 _METADATA_ORDER = ["library_name", "license", "base_model", "tags", "datasets", "hf_kvspec_acceptance", "model-index"]
 
 
+def _warm_start_sentence(warm: dict | None) -> str:
+    """The card's note on ``--init_from`` (``training_summary.json``'s ``initialised_from``), or nothing."""
+    if not warm:
+        return ""
+    vocab = "; draft vocabulary chosen from this data" if warm.get("draft_vocab") == "from data" else ""
+    return (f" Fine-tuned: the weights started from `{warm['source']}` ({warm['parameters_copied']:,} parameters "
+            f"copied{vocab}), not from a random initialisation.")
+
+
 @dataclass
 class CardFields:
     """What a card says beyond the config. Numbers are printed as given; nothing is invented when absent."""
@@ -54,17 +63,20 @@ class CardFields:
         args = summary.get("args", {})
         stopped = summary.get("stopped_at_step")
         steps = f"{stopped} of {args.get('max_steps')} planned" if stopped is not None else str(args.get('max_steps'))
+        inference_vocab = ("the head drafts over the same vocabulary" if args.get("draft_vocab_size") else
+                           "inference uses the full vocabulary")
         paragraph = (f"{steps} optimizer steps, batch {args.get('per_device_batch_size')} x "
                      f"{args.get('gradient_accumulation_steps')} accumulation, AdamW lr {args.get('learning_rate')} "
                      f"with {args.get('warmup_steps')} warm-up steps and cosine decay, labels from "
                      f"`{args.get('label_source')}`, training softmax over {summary.get('training_vocab_size')} "
-                     f"tokens (inference uses the full vocabulary), {summary.get('train_seconds')} s wall clock.")
+                     f"tokens ({inference_vocab}), {summary.get('train_seconds')} s wall clock.")
         if stopped is not None:
             paragraph += (f" The run was stopped by its `--max_train_seconds {args.get('max_train_seconds')}` cap "
                           f"after {stopped} of the {args.get('max_steps')} steps (the learning rate had not finished "
                           f"its decay).")
         if args.get("mixed_precision") not in (None, "no"):
             paragraph += f" Mixed precision: {args['mixed_precision']}."
+        paragraph += _warm_start_sentence(summary.get("initialised_from"))
         fields = dict(base_model_hub_id=summary.get("base_model_hub_id"), command=summary.get("command"),
                       data=summary.get("data", []), held_out=summary.get("held_out"),
                       data_recipe=[row["recipe"] for row in summary.get("data", []) if "recipe" in row],

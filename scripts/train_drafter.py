@@ -49,6 +49,7 @@ from hf_kvspec.heads.modeling_medusa import MedusaHeads
 from hf_kvspec.heads.objectives import TrainingObjective, TrainingVocabulary
 from hf_kvspec.heads.trained_vocab import HeadVocabulary, init_draft_vocab, most_frequent_labels
 from hf_kvspec.heads.pairing import base_model_fingerprint
+from hf_kvspec.heads.warm_start import warm_start
 
 
 @dataclass
@@ -68,6 +69,10 @@ class ModelArguments:
                                                                   "vLLM/SGLang)", "choices": ["eagle1", "eagle3"]})
     draft_vocab_size: int | None = field(default=None, metadata={
         "help": "EAGLE: train the head's own LM projection over the N most frequent target tokens (d2t/t2d saved)"})
+    init_from: str | None = field(default=None, metadata={
+        "help": "fine-tune: start from a trained head of the same kind (a saved head directory or bundled:KIND); "
+                "with --draft_vocab_size a full-vocabulary source keeps its layers and the vocabulary is chosen "
+                "from the data"})
 
 
 @dataclass
@@ -495,10 +500,15 @@ def main(argv: list[str] | None = None) -> None:
         accelerator.print(f"data ready: {json.dumps(recipe)}")
         return
     head = build_head(m, target, recorded_name)
+    warm = warm_start(head, m.init_from, target) if m.init_from else None
+    if warm is not None:
+        accelerator.print(f"--init_from {warm.source}: {warm.tensors_copied} tensors ({warm.parameters_copied:,} "
+                          f"parameters) copied; draft vocabulary: {warm.draft_vocab or 'none'}")
     vocab = (TrainingVocabulary(target.config.vocab_size) if t.train_vocab == "full" else
              TrainingVocabulary.from_label_counts(dataset, target.config.vocab_size, t.train_vocab_size))
     if getattr(head, "has_draft_vocab", False):  # EAGLE-3 draft vocabulary: train the head's own [N, H] projection
-        init_draft_vocab(head, most_frequent_labels(dataset, target.config.vocab_size, m.draft_vocab_size))
+        if warm is None or not warm.draft_vocab_from_source:
+            init_draft_vocab(head, most_frequent_labels(dataset, target.config.vocab_size, m.draft_vocab_size))
         vocab = HeadVocabulary(head)
     objective = make_objective(m, d, t, head, vocab)
     record = RunRecord(commands=["accelerate launch scripts/train_drafter.py " + shlex.join(argv)])
@@ -507,7 +517,8 @@ def main(argv: list[str] | None = None) -> None:
     if accelerator.is_main_process:
         summary = {"command": "\n".join(record.commands),
                    "args": {**asdict(m), **asdict(d), **asdict(t)}, "base_model_hub_id": m.base_model_hub_id or hub_id,
-                   "data": recipe, "training_vocab_size": len(vocab.vocab_ids) if vocab.vocab_ids is not None else
+                   "data": recipe, "initialised_from": asdict(warm) if warm is not None else None,
+                   "training_vocab_size": len(vocab.vocab_ids) if vocab.vocab_ids is not None else
                    target.config.vocab_size, "final_train_metrics": record.last_metrics,
                    "train_seconds": record.train_seconds, "stopped_at_step": record.stopped_at_step,
                    "trainable_parameters":

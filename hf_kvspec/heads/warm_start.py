@@ -1,0 +1,120 @@
+"""Starting a head's training from a trained head (fine-tuning): ``train_drafter.py --init_from DIR|bundled:KIND``.
+
+Boundary: resolving the source (a saved head directory or a bundled head), checking that it can seed the new head
+(same head class, trained for this base model, same tensor names and shapes), and copying its weights. Choosing the
+data, the schedule and the draft vocabulary stays with the training script.
+
+The one allowed difference is the draft vocabulary (EAGLE-3 §3, arXiv 2503.01840): a head with ``draft_vocab_size``
+set may start from a full-vocabulary head, or from one with another draft size. Its ``lm_head`` / ``d2t`` / ``t2d``
+are then left for the script to choose from the training data (``trained_vocab.init_draft_vocab``: the base LM
+head's rows), and every other tensor comes from the source. With the same draft size, the source's vocabulary and
+projection are kept.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+# Tensors that belong to a head's draft vocabulary; they may differ from the source's (see the module docstring).
+DRAFT_VOCAB_TENSORS = ("lm_head.weight", "d2t", "t2d")
+
+
+@dataclass
+class WarmStart:
+    """What ``warm_start`` did, for the log and ``training_summary.json``."""
+
+    source: str              # as the user wrote it
+    path: str                # the directory read
+    tensors_copied: int
+    parameters_copied: int
+    draft_vocab: str | None  # None (no draft vocabulary), "from source" or "from data"
+
+    @property
+    def draft_vocab_from_source(self) -> bool:
+        return self.draft_vocab == "from source"
+
+
+def resolve_source(source: str) -> Path:
+    """``bundled:KIND`` (``medusa``, ``eagle``, ``early_exit``) or a directory holding ``config.json``."""
+    if source.startswith("bundled:"):
+        from hf_kvspec.heads.bundled import bundled_heads_path
+
+        return bundled_heads_path(source.split(":", 1)[1])
+    path = Path(source)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"--init_from {source!r}: no config.json there. Pass a directory written by "
+                                "save_pretrained (e.g. a train_drafter.py --output_dir) or bundled:medusa|eagle|"
+                                "early_exit.")
+    return path
+
+
+def warm_start(head, source: str, base_model) -> WarmStart:
+    """Copy the weights of the head at ``source`` into ``head`` (same class; see the module docstring).
+
+    ``base_model`` is the frozen target: the source must have been trained for it (``attach`` checks the pairing).
+    Raises ``ValueError`` naming every tensor or config field that differs.
+    """
+    path = resolve_source(source)
+    model_type = json.loads((path / "config.json").read_text()).get("model_type")
+    if model_type != head.config.model_type:
+        raise ValueError(f"--init_from {source!r} holds a {model_type} head, but this run trains a "
+                         f"{head.config.model_type} head. Start from a head of the same kind (--head must match).")
+    donor = type(head).from_pretrained(path, dtype=torch.float32).attach(base_model)
+    _check_same_inputs(head.config, donor.config, source)
+    ours, theirs = head.state_dict(), donor.state_dict()
+    draft_vocab = _draft_vocab_plan(head, donor)
+    skip = set(DRAFT_VOCAB_TENSORS) if draft_vocab == "from data" else set()
+    _check_same_tensors(ours, theirs, skip, head.config, donor.config, source)
+    copied = {name: theirs[name] for name in ours if name in theirs and name not in skip}
+    head.load_state_dict(copied, strict=False)
+    return WarmStart(source=source, path=str(path), tensors_copied=len(copied),
+                     parameters_copied=sum(t.numel() for t in copied.values()), draft_vocab=draft_vocab)
+
+
+def _draft_vocab_plan(head, donor) -> str | None:
+    if not getattr(head, "has_draft_vocab", False):
+        if getattr(donor, "has_draft_vocab", False):
+            raise ValueError(f"The --init_from head has a {donor.d2t.numel()}-token draft vocabulary; a full-"
+                             f"vocabulary head cannot start from it. Pass --draft_vocab_size {donor.d2t.numel()} "
+                             "(or any size: the vocabulary is then chosen from the data).")
+        return None
+    same = getattr(donor, "has_draft_vocab", False) and donor.d2t.numel() == head.d2t.numel()
+    return "from source" if same else "from data"
+
+
+def _check_same_inputs(config, donor_config, source: str) -> None:
+    """Fields that change what a head reads without changing a shape (an exit adapter for layer 8 fits layer 16)."""
+    differ = [f"{key}={getattr(donor_config, key)!r} there, {getattr(config, key)!r} here"
+              for key in _INPUT_FIELDS if getattr(config, key, None) != getattr(donor_config, key, None)]
+    if differ:
+        raise ValueError(f"--init_from {source!r} was trained on other inputs: {'; '.join(differ)}. Pass the "
+                         "source's values (e.g. --exit_layer, --feature_layers, --architecture) or train from scratch.")
+
+
+def _check_same_tensors(ours: dict, theirs: dict, skip: set, config, donor_config, source: str) -> None:
+    missing = sorted(set(ours) - set(theirs) - skip)
+    extra = sorted(set(theirs) - set(ours) - skip)
+    shapes = sorted(f"{name} {tuple(theirs[name].shape)} vs {tuple(ours[name].shape)}"
+                    for name in set(ours) & set(theirs) - skip if theirs[name].shape != ours[name].shape)
+    if not (missing or extra or shapes):
+        return
+    fields = [f"{key}: {donor_config.to_dict().get(key)!r} there, {value!r} here"
+              for key, value in config.to_dict().items()
+              if key in _SHAPE_FIELDS and donor_config.to_dict().get(key) != value]
+    problems = ([f"missing there: {', '.join(missing)}"] if missing else []) + \
+               ([f"not in this head: {', '.join(extra)}"] if extra else []) + \
+               ([f"shapes (there vs here): {'; '.join(shapes)}"] if shapes else [])
+    raise ValueError(f"--init_from {source!r} cannot seed this head: {'. '.join(problems)}. Config fields that "
+                     f"differ: {'; '.join(fields) or 'none of the shape fields'}. Build the head with the source's "
+                     "settings (e.g. the same --architecture, --feature_layers, --num_heads) or train from scratch.")
+
+
+# Config fields that decide what a head reads; a source must match them even where the shapes would fit.
+_INPUT_FIELDS = ("architecture", "feature_layers", "exit_layer")
+# Config fields that decide a head's tensor names and shapes (named in the refusal so the fix is obvious).
+_SHAPE_FIELDS = ("architecture", "feature_layers", "num_heads", "num_layers", "share_lm_head", "exit_layer",
+                 "intermediate_size", "draft_vocab_size", "norm_before_residual")
