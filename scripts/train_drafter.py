@@ -47,8 +47,8 @@ from hf_kvspec.heads.features import CachedFeatures, collate, extract_to_cache, 
 from hf_kvspec.heads.modeling_eagle import EagleDrafter
 from hf_kvspec.heads.modeling_medusa import MedusaHeads
 from hf_kvspec.heads.objectives import TrainingObjective, TrainingVocabulary
-from hf_kvspec.heads.trained_vocab import HeadVocabulary, init_draft_vocab, most_frequent_labels
 from hf_kvspec.heads.pairing import base_model_fingerprint
+from hf_kvspec.heads.trained_vocab import HeadVocabulary, init_draft_vocab, most_frequent_labels
 from hf_kvspec.heads.warm_start import warm_start
 
 

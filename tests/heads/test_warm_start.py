@@ -91,7 +91,7 @@ def test_refusals_name_the_difference(base, tmp_path):
     four = _saved(MedusaHeads(MedusaConfig.for_base_model(base, "tiny", num_heads=4)), tmp_path / "medusa4")
     with pytest.raises(ValueError, match=r"not in this head: .*heads\.3.*num_heads: 4 there, 3 here"):
         warm_start(MedusaHeads(MedusaConfig.for_base_model(base, "tiny", num_heads=3)).attach(base), str(four), base)
-    with pytest.raises(FileNotFoundError, match="no config.json"):
+    with pytest.raises(FileNotFoundError, match=r"no config\.json"):
         warm_start(_eagle(base, seed=2), str(tmp_path / "nowhere"), base)
     other_base = tiny_model("llama", seed=5, vocab_size=64, hidden_size=32, intermediate_size=64)
     with pytest.raises(BaseModelMismatchError):  # the source was trained for `base`, not this one
@@ -101,6 +101,7 @@ def test_refusals_name_the_difference(base, tmp_path):
 def test_train_drafter_init_from_at_zero_learning_rate_keeps_the_source(tmp_path):
     sys.path.insert(0, str(SCRIPT.parent))
     import train_drafter
+
     from tests.heads.tiny_base import save_tiny_base, write_tiny_corpus
 
     save_tiny_base(tmp_path / "base")
