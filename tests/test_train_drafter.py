@@ -159,3 +159,17 @@ def test_time_cap_stops_early_then_saves_and_prepare_only_caches_held_out(worksp
     assert (tmp_path / "out" / "checkpoints" / "step-1").is_dir()  # resumable from where the cap hit
     assert "after 1 of the 50 steps" in (tmp_path / "out" / "README.md").read_text()
     assert (cache / "self_distill.jsonl").read_text().splitlines() == cached  # evaluation reused the cache
+
+
+@pytest.mark.parametrize("config", sorted((SCRIPT.parent / "train_configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_committed_config_parses(config):
+    # a renamed flag or a bad choice in a committed recipe fails here, not after an hour of self-distillation
+    sys.path.insert(0, str(SCRIPT.parent))
+    import train_drafter
+
+    model, data, train = train_drafter.parse_args(["--config", str(config)])
+    assert model.head in ("medusa", "eagle", "early_exit") and data.dataset and train.output_dir.startswith("runs/")
+    if model.init_from is not None:  # a fine-tuning recipe names a head that exists
+        from hf_kvspec.heads.warm_start import resolve_source
+
+        assert (resolve_source(model.init_from) / "model.safetensors").is_file()
