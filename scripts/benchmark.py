@@ -27,6 +27,7 @@ SUBCOMMANDS: dict[str, str] = {
     "kvquant": "bench.kvquant",
     "spec": "bench.spec",
     "longctx": "bench.longctx",
+    "drafthead": "bench.drafthead",
 }
 
 
