@@ -76,6 +76,9 @@ class CardFields:
                           f"its decay).")
         if args.get("mixed_precision") not in (None, "no"):
             paragraph += f" Mixed precision: {args['mixed_precision']}."
+        if args.get("loss_on"):
+            paragraph += (" Loss on answer tokens only." if args["loss_on"] == "answers" else
+                          " Loss on every row, prompt tokens included.")
         paragraph += _warm_start_sentence(summary.get("initialised_from"))
         fields = dict(base_model_hub_id=summary.get("base_model_hub_id"), command=summary.get("command"),
                       data=summary.get("data", []), held_out=summary.get("held_out"),

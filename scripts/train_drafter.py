@@ -117,6 +117,9 @@ class TrainArguments:
     unroll_steps: int = field(default=1, metadata={"help": "EAGLE training-time-test steps"})
     feature_loss_weight: float = 1.0
     loss_decay: float = field(default=0.8, metadata={"help": "weight decay**k of head/step k"})
+    loss_on: str = field(default="answers", metadata={
+        "choices": ["answers", "all"], "help": "score only rows whose label is an answer token of a chat example "
+                                               "(the bundled v1 heads were trained with 'all')"})
     train_vocab: str = field(default="labels", metadata={"choices": ["labels", "full"],
                                                          "help": "softmax over label tokens only (training only)"})
     train_vocab_size: int | None = field(default=None, metadata={"help": "keep the N most frequent label tokens"})
@@ -258,7 +261,8 @@ def make_objective(m, d, t, head, vocab):
         from hf_kvspec.heads.modeling_exit import ExitObjective
 
         return ExitObjective(head, vocab)
-    return TrainingObjective(head, vocab, d.label_source, t.unroll_steps, t.feature_loss_weight, t.loss_decay)
+    return TrainingObjective(head, vocab, d.label_source, t.unroll_steps, t.feature_loss_weight, t.loss_decay,
+                             answers_only=t.loss_on == "answers")
 
 
 def feature_layers(m: ModelArguments) -> list[int]:

@@ -10,6 +10,10 @@ Labels. Head k (Medusa) and unrolled step k (EAGLE) at row t predict token t+k+2
 the label is ``target_tokens[t+k+1]``: the target's own greedy choice at that point (distillation; on the target's
 greedy text this equals the text). With ``"data"`` it is ``input_ids[t+k+2]``.
 
+Answers only. A chat example's ``prompt_length`` covers the system prompt and every earlier turn; with
+``answers_only`` (the default of ``TrainingObjective``) a row is scored only when the token it predicts lies in the
+answer, the only text a head drafts at inference. Earlier rows still feed attention (EAGLE) as context.
+
 Training vocabulary. The LM head (V x H, 49152 x 576 for SmolLM2) dominates the cost of a step. Passing
 ``vocab_ids`` (the tokens that occur as labels) restricts the softmax to those V' columns for *training only*: the
 loss is the cross-entropy among the tokens that can be right, the heads at inference still project onto the full
@@ -66,8 +70,10 @@ class TrainingVocabulary:
         return labels if self.column is None else self.column.to(labels.device)[labels]
 
 
-def shifted_labels(batch: dict, offset: int, label_source: str = "target") -> tuple[torch.Tensor, torch.Tensor]:
-    """Labels [B, T] for predicting token t+offset+1 at row t, and their mask [B, T] (inside the sequence)."""
+def shifted_labels(batch: dict, offset: int, label_source: str = "target",
+                   answers_only: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Labels [B, T] for predicting token t+offset+1 at row t, and their mask [B, T] (inside the sequence; with
+    ``answers_only``, also at or after ``batch["prompt_length"]`` [B])."""
     ids, valid = batch["input_ids"], batch["valid"]
     if label_source == "target":
         source, shift = batch["target_tokens"], offset
@@ -80,6 +86,9 @@ def shifted_labels(batch: dict, offset: int, label_source: str = "target") -> tu
     if shift < ids.shape[1]:
         labels[:, :-shift] = source[:, shift:]
         mask[:, :-shift] = valid[:, shift:]
+    if answers_only and "prompt_length" in batch:
+        predicted = torch.arange(ids.shape[1], device=ids.device) + offset + 1            # [T] token index scored
+        mask = mask & (predicted[None] >= batch["prompt_length"].to(ids.device)[:, None])
     return labels, mask
 
 
@@ -102,12 +111,12 @@ def head_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch
 
 
 def medusa_loss(heads, batch: dict, vocab: TrainingVocabulary, label_source: str = "target",
-                head_decay: float = 1.0) -> LossOutput:
+                head_decay: float = 1.0, answers_only: bool = False) -> LossOutput:
     """Sum over heads of ``head_decay**k`` x mean CE (Medusa-1 weights later heads less: 0.8**k in the paper)."""
     head_hidden = heads.head_hidden_states(batch["features"].to(heads.dtype))        # [K, B, T, H]
     total, correct, counts = 0.0, [], []
     for k in range(head_hidden.shape[0]):
-        labels, mask = shifted_labels(batch, k + 1, label_source)
+        labels, mask = shifted_labels(batch, k + 1, label_source, answers_only)
         loss, hits, count = head_cross_entropy(head_hidden[k], heads.projection_weight(k), labels, mask, vocab)
         total = total + head_decay ** k * loss / count.clamp(min=1)
         correct.append(hits)
@@ -116,7 +125,7 @@ def medusa_loss(heads, batch: dict, vocab: TrainingVocabulary, label_source: str
 
 
 def eagle_loss(drafter, batch: dict, vocab: TrainingVocabulary, steps: int = 1, label_source: str = "target",
-               feature_loss_weight: float = 1.0, step_decay: float = 1.0) -> LossOutput:
+               feature_loss_weight: float = 1.0, step_decay: float = 1.0, answers_only: bool = False) -> LossOutput:
     """EAGLE loss over ``steps`` unrolled draft steps (training-time test; steps=1 is plain EAGLE-1 teacher forcing).
 
     Per step: CE on token t+j+2 and, when the drafter uses the single final feature, SmoothL1 between the draft
@@ -129,7 +138,7 @@ def eagle_loss(drafter, batch: dict, vocab: TrainingVocabulary, steps: int = 1, 
     weight = drafter.borrowed().lm_head.weight
     total, correct, counts = 0.0, [], []
     for j, hidden in enumerate(draft_hidden):
-        labels, mask = shifted_labels(batch, j + 1, label_source)
+        labels, mask = shifted_labels(batch, j + 1, label_source, answers_only)
         loss, hits, count = head_cross_entropy(drafter.norm(hidden), weight, labels, mask, vocab)
         step_loss = loss / count.clamp(min=1)
         if regress:
@@ -158,7 +167,7 @@ class TrainingObjective(torch.nn.Module):
     """
 
     def __init__(self, head, vocab: TrainingVocabulary, label_source: str = "target", unroll_steps: int = 1,
-                 feature_loss_weight: float = 1.0, decay: float = 1.0):
+                 feature_loss_weight: float = 1.0, decay: float = 1.0, answers_only: bool = True):
         super().__init__()
         if label_source not in ("target", "data"):
             raise ValueError(f"label_source must be 'target' or 'data', got {label_source!r}.")
@@ -170,9 +179,10 @@ class TrainingObjective(torch.nn.Module):
         self.head = head
         self.vocab, self.label_source = vocab, label_source
         self.unroll_steps, self.feature_loss_weight, self.decay = unroll_steps, feature_loss_weight, decay
+        self.answers_only = answers_only
 
     def forward(self, batch: dict) -> LossOutput:
         if hasattr(self.head, "heads"):  # MedusaHeads
-            return medusa_loss(self.head, batch, self.vocab, self.label_source, self.decay)
+            return medusa_loss(self.head, batch, self.vocab, self.label_source, self.decay, self.answers_only)
         return eagle_loss(self.head, batch, self.vocab, self.unroll_steps, self.label_source,
-                          self.feature_loss_weight, self.decay)
+                          self.feature_loss_weight, self.decay, self.answers_only)

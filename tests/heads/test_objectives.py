@@ -66,3 +66,16 @@ def test_medusa_loss_trains_toward_its_labels():
         losses.append(result.loss.item())
     assert losses[-1] < 0.6 * losses[0]  # 8.8 -> ~4.8 after 30 steps, lower after 50
     assert result.counts.tolist() == [4 * 11, 4 * 10]  # head k labels rows t with t+k+1 inside the sequence
+
+
+def test_answers_only_scores_rows_whose_label_is_an_answer_token():
+    batch = {**_batch(), "prompt_length": torch.tensor([3, 1])}
+    # row t predicts token t+offset+1; row 0 is prompt for offset 1 (token 2 < 3), rows 1.. are answer tokens
+    _, mask = shifted_labels(batch, 1, "target", answers_only=True)
+    assert mask[0].tolist() == [0, 1, 1, 1, 0] and mask[1].tolist() == [1, 1, 0, 0, 0]
+    _, everything = shifted_labels(batch, 1, "target")
+    assert torch.equal(mask, everything & torch.tensor([[0, 1, 1, 1, 1], [1, 1, 1, 1, 1]], dtype=torch.bool))
+    _, mask = shifted_labels(batch, 0, "data", answers_only=True)   # row t -> token t+1
+    assert mask[0].tolist() == [0, 0, 1, 1, 0]
+    text = _batch()                                                   # no prompt_length (text windows): all rows
+    assert torch.equal(shifted_labels(text, 1, "target", answers_only=True)[1], shifted_labels(text, 1, "target")[1])
