@@ -5,6 +5,7 @@ machine comparing every layer bit for bit with a plain-tensor reference after ev
 from __future__ import annotations
 
 import itertools
+from typing import ClassVar
 
 import pytest
 import torch
@@ -346,7 +347,8 @@ class PagedContract(RuleBasedStateMachine):
         return codes.view(batch, 1, tokens, 1) * 32 + torch.arange(HEADS * DIM, dtype=torch.float32).view(1, HEADS, 1, DIM)
 
     # -- rules
-    _prompt_args = dict(data=st.data(), rows=st.integers(1, 3), length=st.integers(1, 28), split=st.integers(0, LAYERS))
+    _prompt_args: ClassVar[dict] = dict(data=st.data(), rows=st.integers(1, 3), length=st.integers(1, 28),
+                                        split=st.integers(0, LAYERS))
 
     @initialize(**_prompt_args)
     def first_request(self, data, rows, length, split):
