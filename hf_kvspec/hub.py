@@ -29,8 +29,13 @@ def _warm_start_sentence(warm: dict | None) -> str:
     if not warm:
         return ""
     vocab = "; draft vocabulary chosen from this data" if warm.get("draft_vocab") == "from data" else ""
+    before = warm.get("source_training") or {}
+    lineage = (f", itself trained for {before['steps']} steps on {before['tokens']:,} tokens"
+               if before.get("steps") and before.get("tokens") else "")
+    if before.get("held_out_tau") is not None:
+        lineage += f" (held-out chain tau {before['held_out_tau']:.3f} before this fine-tuning)"
     return (f" Fine-tuned: the weights started from `{warm['source']}` ({warm['parameters_copied']:,} parameters "
-            f"copied{vocab}), not from a random initialisation.")
+            f"copied{vocab}){lineage}, not from a random initialisation.")
 
 
 @dataclass

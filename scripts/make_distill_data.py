@@ -61,6 +61,12 @@ class Arguments:
     sample_output: str | None = None
 
 
+def _portable(path: str) -> str:
+    """``path`` relative to the working directory when it lies below it (recipes go into committed cards)."""
+    resolved = Path(path).resolve()
+    return str(resolved.relative_to(Path.cwd())) if resolved.is_relative_to(Path.cwd()) else path
+
+
 def settings_from(args: Arguments) -> RecipeSettings:
     return RecipeSettings(seed=args.seed, num_requests=args.num_requests, num_reading=args.num_reading,
                           corpora=tuple(args.corpora), follow_up_fraction=args.follow_up_fraction,
@@ -86,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"stopped after --max_items {args.max_items} new generations ({seconds} s); run the same command "
               f"again to continue from {cache_file}")
         return 0
-    data.recipe.update(base_model=recorded, held_out=args.held_out, seconds_this_run=seconds,
+    data.recipe.update(base_model=recorded, held_out=_portable(args.held_out), seconds_this_run=seconds,
                        command="python scripts/make_distill_data.py " + " ".join(argv or sys.argv[1:]))
     write_data(data, args.output)
     if args.sample and args.sample_output:

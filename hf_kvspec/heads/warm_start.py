@@ -28,10 +28,10 @@ class WarmStart:
     """What ``warm_start`` did, for the log and ``training_summary.json``."""
 
     source: str              # as the user wrote it
-    path: str                # the directory read
     tensors_copied: int
     parameters_copied: int
     draft_vocab: str | None  # None (no draft vocabulary), "from source" or "from data"
+    source_training: dict | None = None  # the source's own training, from its training_summary.json (lineage)
 
     @property
     def draft_vocab_from_source(self) -> bool:
@@ -71,8 +71,21 @@ def warm_start(head, source: str, base_model) -> WarmStart:
     _check_same_tensors(ours, theirs, skip, head.config, donor.config, source)
     copied = {name: theirs[name] for name in ours if name in theirs and name not in skip}
     head.load_state_dict(copied, strict=False)
-    return WarmStart(source=source, path=str(path), tensors_copied=len(copied),
-                     parameters_copied=sum(t.numel() for t in copied.values()), draft_vocab=draft_vocab)
+    return WarmStart(source=source, tensors_copied=len(copied),
+                     parameters_copied=sum(t.numel() for t in copied.values()), draft_vocab=draft_vocab,
+                     source_training=source_training(path))
+
+
+def source_training(path: Path) -> dict | None:
+    """What the source's ``training_summary.json`` says of its training (steps, tokens, held-out tau), if any."""
+    summary_file = path / "training_summary.json"
+    if not summary_file.is_file():
+        return None
+    summary = json.loads(summary_file.read_text())
+    args, held_out = summary.get("args", {}), summary.get("held_out") or {}
+    return {"steps": summary.get("stopped_at_step") or args.get("max_steps"),
+            "tokens": sum(row.get("tokens", 0) for row in summary.get("data", [])),
+            "held_out_tau": held_out.get("tau"), "initialised_from": summary.get("initialised_from")}
 
 
 def _draft_vocab_plan(head, donor) -> str | None:

@@ -118,4 +118,7 @@ def test_train_drafter_init_from_at_zero_learning_rate_keeps_the_source(tmp_path
     summary = json.loads((tmp_path / "b" / "training_summary.json").read_text())
     assert summary["initialised_from"]["source"] == str(tmp_path / "a")
     assert summary["initialised_from"]["tensors_copied"] == len(before)
-    assert "Fine-tuned: the weights started from" in (tmp_path / "b" / "README.md").read_text()
+    first = json.loads((tmp_path / "a" / "training_summary.json").read_text())
+    lineage = summary["initialised_from"]["source_training"]
+    assert lineage["steps"] == 3 and lineage["tokens"] == sum(row["tokens"] for row in first["data"]) > 0
+    assert f"itself trained for 3 steps on {lineage['tokens']:,} tokens" in (tmp_path / "b" / "README.md").read_text()
