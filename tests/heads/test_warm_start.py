@@ -91,6 +91,18 @@ def test_refusals_name_the_difference(base, tmp_path):
     four = _saved(MedusaHeads(MedusaConfig.for_base_model(base, "tiny", num_heads=4)), tmp_path / "medusa4")
     with pytest.raises(ValueError, match=r"not in this head: .*heads\.3.*num_heads: 4 there, 3 here"):
         warm_start(MedusaHeads(MedusaConfig.for_base_model(base, "tiny", num_heads=3)).attach(base), str(four), base)
+    from hf_kvspec.heads.configuration_exit import ExitAdapterConfig
+    from hf_kvspec.heads.modeling_exit import ExitAdapter
+
+    deep = tiny_model("llama", seed=0, vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3)
+
+    def exit_adapter(layer):
+        return ExitAdapter(ExitAdapterConfig.for_base_model(deep, "tiny", exit_layer=layer)).attach(deep)
+
+    exit1 = _saved(exit_adapter(1), tmp_path / "exit1")
+    with pytest.raises(ValueError, match="exit_layer=1 there, 2 here"):  # same shapes, other layer's states
+        warm_start(exit_adapter(2), str(exit1), deep)
+    assert warm_start(exit_adapter(1), str(exit1), deep).tensors_copied > 0
     with pytest.raises(FileNotFoundError, match=r"no config\.json"):
         warm_start(_eagle(base, seed=2), str(tmp_path / "nowhere"), base)
     other_base = tiny_model("llama", seed=5, vocab_size=64, hidden_size=32, intermediate_size=64)
