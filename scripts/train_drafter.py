@@ -119,7 +119,7 @@ class TrainArguments:
     loss_decay: float = field(default=0.8, metadata={"help": "weight decay**k of head/step k"})
     loss_on: str = field(default="answers", metadata={
         "choices": ["answers", "all"], "help": "score only rows whose label is an answer token of a chat example "
-                                               "(the bundled v1 heads were trained with 'all')"})
+                                               "(the bundled v1 heads and exit adapter were trained with 'all')"})
     train_vocab: str = field(default="labels", metadata={"choices": ["labels", "full"],
                                                          "help": "softmax over label tokens only (training only)"})
     train_vocab_size: int | None = field(default=None, metadata={"help": "keep the N most frequent label tokens"})
@@ -260,7 +260,7 @@ def make_objective(m, d, t, head, vocab):
     if m.head == "early_exit":
         from hf_kvspec.heads.modeling_exit import ExitObjective
 
-        return ExitObjective(head, vocab)
+        return ExitObjective(head, vocab, answers_only=t.loss_on == "answers")
     return TrainingObjective(head, vocab, d.label_source, t.unroll_steps, t.feature_loss_weight, t.loss_decay,
                              answers_only=t.loss_on == "answers")
 

@@ -30,7 +30,7 @@ from transformers import initialization as init
 from hf_kvspec import _compat
 from hf_kvspec.heads.configuration_exit import ExitAdapterConfig
 from hf_kvspec.heads.modeling_common import DraftHeadModel
-from hf_kvspec.heads.objectives import LossOutput, TrainingVocabulary, head_cross_entropy
+from hf_kvspec.heads.objectives import LossOutput, TrainingVocabulary, answer_rows, head_cross_entropy
 
 
 @dataclass
@@ -99,22 +99,23 @@ class ExitAdapter(DraftHeadModel):
         return self.borrowed().lm_head(self.final_hidden(hidden_states))
 
 
-def exit_loss(adapter: ExitAdapter, batch: dict, vocab: TrainingVocabulary) -> LossOutput:
+def exit_loss(adapter: ExitAdapter, batch: dict, vocab: TrainingVocabulary, answers_only: bool = False) -> LossOutput:
     """Mean CE of the adapter's exit logits at row t against the target's greedy token at row t (its prediction of
-    token t+1), over every real position. batch: ``features`` [B, T, H] layer-E states, ``target_tokens`` [B, T],
-    ``valid`` [B, T]."""
+    token t+1), over every real position (``answers_only``: those whose token t+1 is an answer token, as in
+    ``objectives``). batch: ``features`` [B, T, H] layer-E states, ``target_tokens`` [B, T], ``valid`` [B, T]."""
     hidden = adapter.final_hidden(batch["features"].to(adapter.dtype))                      # [B, T, H]
     weight = adapter.borrowed().lm_head.weight                                              # [V, H]
-    loss, hits, count = head_cross_entropy(hidden, weight, batch["target_tokens"], batch["valid"], vocab)
+    mask = batch["valid"] & answer_rows(batch, 0) if answers_only else batch["valid"]        # [B, T]
+    loss, hits, count = head_cross_entropy(hidden, weight, batch["target_tokens"], mask, vocab)
     return LossOutput(loss / count.clamp(min=1), hits.detach()[None], count[None])
 
 
 class ExitObjective(nn.Module):
     """The adapter plus ``exit_loss``, one module for ``accelerator.prepare`` (the frozen base is not inside)."""
 
-    def __init__(self, head: ExitAdapter, vocab: TrainingVocabulary):
+    def __init__(self, head: ExitAdapter, vocab: TrainingVocabulary, answers_only: bool = True):
         super().__init__()
-        self.head, self.vocab = head, vocab
+        self.head, self.vocab, self.answers_only = head, vocab, answers_only
 
     def forward(self, batch: dict) -> LossOutput:
-        return exit_loss(self.head, batch, self.vocab)
+        return exit_loss(self.head, batch, self.vocab, self.answers_only)

@@ -86,10 +86,17 @@ def shifted_labels(batch: dict, offset: int, label_source: str = "target",
     if shift < ids.shape[1]:
         labels[:, :-shift] = source[:, shift:]
         mask[:, :-shift] = valid[:, shift:]
-    if answers_only and "prompt_length" in batch:
-        predicted = torch.arange(ids.shape[1], device=ids.device) + offset + 1            # [T] token index scored
-        mask = mask & (predicted[None] >= batch["prompt_length"].to(ids.device)[:, None])
-    return labels, mask
+    return labels, (mask & answer_rows(batch, offset) if answers_only else mask)
+
+
+def answer_rows(batch: dict, offset: int) -> torch.Tensor:
+    """[B, T] bool: row t predicts token t+offset+1 and that token lies in the answer (at or after
+    ``batch["prompt_length"]`` [B]); all True for a batch without prompts (text windows)."""
+    ids = batch["input_ids"]
+    if "prompt_length" not in batch:
+        return torch.ones_like(ids, dtype=torch.bool)
+    predicted = torch.arange(ids.shape[1], device=ids.device) + offset + 1                # [T] token index scored
+    return predicted[None] >= batch["prompt_length"].to(ids.device)[:, None]
 
 
 def head_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor,

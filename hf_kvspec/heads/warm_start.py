@@ -115,9 +115,9 @@ def _check_same_tensors(ours: dict, theirs: dict, skip: set, config, donor_confi
                     for name in set(ours) & set(theirs) - skip if theirs[name].shape != ours[name].shape)
     if not (missing or extra or shapes):
         return
-    fields = [f"{key}: {donor_config.to_dict().get(key)!r} there, {value!r} here"
-              for key, value in config.to_dict().items()
-              if key in _SHAPE_FIELDS and donor_config.to_dict().get(key) != value]
+    theirs_config = donor_config.to_dict()
+    fields = [f"{key}: {theirs_config.get(key)!r} there, {value!r} here" for key, value in config.to_dict().items()
+              if key in _SHAPE_FIELDS and theirs_config.get(key) != value]
     problems = ([f"missing there: {', '.join(missing)}"] if missing else []) + \
                ([f"not in this head: {', '.join(extra)}"] if extra else []) + \
                ([f"shapes (there vs here): {'; '.join(shapes)}"] if shapes else [])

@@ -110,6 +110,24 @@ def test_exit_loss_equals_full_vocabulary_cross_entropy():
     assert found.counts.item() == real.sum().item()
 
 
+def test_exit_loss_answers_only_skips_rows_that_predict_prompt_tokens():
+    base = _base()
+    adapter = _adapter(base, 2, scale=0.2)
+    ids, mask = batch(3)
+    out = base(input_ids=ids, attention_mask=mask, output_hidden_states=True)
+    prompt = torch.tensor([2, 0, 4])
+    batch_ = {"features": out.hidden_states[2], "target_tokens": out.logits.argmax(-1), "valid": mask.bool(),
+              "input_ids": ids, "prompt_length": prompt}
+    found = exit_loss(adapter, batch_, TrainingVocabulary(base.config.vocab_size), answers_only=True)
+    logits = base.lm_head(base.model.norm(adapter(out.hidden_states[2])))            # [B, T, V]
+    # row t predicts token t+1: scored when t + 1 >= prompt_length (and the row is real)
+    kept = mask.bool() & (torch.arange(ids.shape[1])[None] + 1 >= prompt[:, None])
+    assert 0 < kept.sum() < mask.sum()
+    expected = F.cross_entropy(logits[kept], batch_["target_tokens"][kept])
+    torch.testing.assert_close(found.loss, expected, atol=1e-6, rtol=1e-5)
+    assert found.counts.item() == kept.sum().item()
+
+
 @pytest.mark.parametrize("scale,exit_layer", [(0.0, 3), (0.3, 3), (0.6, 3)])
 def test_teacher_forced_chain_tau_equals_the_decoding_loop(scale, exit_layer):
     """The evaluation's claim: on the target's own greedy text, the teacher-forced walk is what the loop does."""
