@@ -23,49 +23,124 @@ calibration generation plus at most ``L + L / 2 - 1`` teacher-forced forwards ov
 teacher-forced forward computes the skipping model's own K/V for the prefix, not the target's (one forward per
 candidate instead of one per position).
 
+The search runs once per model: its result is kept per model object and search settings
+(``skip_search_store.py``), so a second ``LayerSkipAssistant("search")`` on the same model reuses it
+(``search_reused``) unless built with ``reuse_search=False``. ``save_skip_layers`` writes it to a JSON file and
+``LayerSkipAssistant.from_search`` reads one back, refusing a file searched on a model with another config.
+
 Shapes: ``B`` rows, ``N`` drafts, ``T`` calibration columns, ``V`` vocabulary.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from transformers import DynamicCache
 
 from hf_kvspec.cache.contract import crop_layers
+from hf_kvspec.speculative.drafters import skip_search_store as store
 from hf_kvspec.speculative.drafters.base import ChainDraft, DraftContext, Drafter, DraftProposal
+from hf_kvspec.speculative.drafters.skip_search_store import ModelFingerprint, SearchResult, SearchSettings
 from hf_kvspec.speculative.partial_forward import PartialForward
 
 
 class LayerSkipAssistant(Drafter):
-    """Draft with the target's layers except ``skip_layers`` (a list of layer indices, or ``"search"``)."""
+    """Draft with the target's layers except ``skip_layers`` (a list of layer indices, or ``"search"``).
+
+    ``"search"`` chooses the set on the first ``generate`` call (module docstring) and keeps it for later calls.
+    An earlier search on the same model object with the same ``calibration_tokens``, ``patience`` and draft length
+    is reused instead (``search_reused`` is then True); ``reuse_search=False`` searches again and replaces it.
+
+    Saving and loading a searched set (``search_result``: the set, its settings, the search log, the model's config
+    fingerprint)::
+
+        assistant.save_skip_layers("skip_layers.json")      # after a generate call that searched
+        assistant = LayerSkipAssistant.from_search("skip_layers.json", model)
+
+    ``from_search`` refuses (ValueError) a file searched on a model whose model_type, num_hidden_layers,
+    hidden_size or vocab_size differ; without ``model`` the check runs at the start of ``generate``.
+    """
 
     shares_target_cache = True
     can_drop_rows = True  # no per-row state survives a round
 
     def __init__(self, skip_layers: list[int] | str = "search", num_draft_tokens: int | str = 4,
-                 max_draft_tokens: int = 16, calibration_tokens: int = 16, patience: int = 3):
+                 max_draft_tokens: int = 16, calibration_tokens: int = 16, patience: int = 3,
+                 reuse_search: bool = True):
         super().__init__(num_draft_tokens, max_draft_tokens)
         if skip_layers != "search":
             if isinstance(skip_layers, (str, bytes)) or not all(
                     isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in skip_layers):
-                raise ValueError(f"skip_layers must be a list of layer indices or 'search', got {skip_layers!r}")
+                raise ValueError(f"skip_layers must be a list of layer indices or 'search' (a saved search: "
+                                 f"LayerSkipAssistant.from_search(path)), got {skip_layers!r}")
             skip_layers = sorted(set(skip_layers))
         self.skip_layers = skip_layers
         self.calibration_tokens = calibration_tokens
         self.patience = patience  # search steps without a better set before it stops
+        self.reuse_search = reuse_search  # take an earlier search's result on the same model (skip_search_store)
         self.search_log: list[tuple[tuple[int, ...], float, float]] = []  # (skip set, agreement, estimated speed)
+        self.search_result: SearchResult | None = None  # the searched or loaded set, what save_skip_layers writes
+        self.search_reused = False  # the set came from an earlier search on the same model, not a search of ours
+        self.search_file: Path | None = None  # where from_search read the set
         self.stack: PartialForward | None = None
+
+    @classmethod
+    def from_search(cls, path: str | Path, model=None, num_draft_tokens: int | str | None = None,
+                    max_draft_tokens: int = 16) -> LayerSkipAssistant:
+        """An assistant with the skip set saved in ``path`` by ``save_skip_layers``; checked against ``model``'s
+        config now when given, else against the target's at the start of ``generate``. ``num_draft_tokens=None``
+        drafts as many tokens as the search scored."""
+        result = store.load(path)
+        if model is not None:
+            store.check_fingerprint(result, model, str(path))
+        settings = result.settings
+        if num_draft_tokens is None:
+            num_draft_tokens = settings.num_draft_tokens
+        assistant = cls(list(result.skip_layers), num_draft_tokens, max_draft_tokens, settings.calibration_tokens,
+                        settings.patience)
+        assistant.search_result, assistant.search_file = result, Path(path)
+        assistant.search_log = list(result.log)
+        return assistant
+
+    def save_skip_layers(self, path: str | Path) -> Path:
+        """Write the searched skip set, its settings, the search log and the model's fingerprint to ``path`` (JSON)."""
+        if self.search_result is None:
+            raise ValueError("save_skip_layers saves a searched skip set: build LayerSkipAssistant('search') and run "
+                             "generate with it once first (an explicit skip_layers list needs no file)")
+        return store.save(self.search_result, path)
+
+    def search_settings(self) -> SearchSettings:
+        """The settings that change the search's result (part of the reuse key and of a saved file)."""
+        draft_len = self.num_draft_tokens if isinstance(self.num_draft_tokens, int) else 4
+        return SearchSettings(self.calibration_tokens, self.patience, draft_len)
 
     def begin(self, target, buffer, target_hidden=None) -> None:
         super().begin(target, buffer, target_hidden)
         self.stack = PartialForward(target)
         if self.skip_layers == "search":
-            self.skip_layers = self.search(buffer.tokens[:1, buffer.mask[0].bool()])
+            self.search_result = self._searched_or_reused(target, buffer.tokens[:1, buffer.mask[0].bool()])
+            self.skip_layers, self.search_log = list(self.search_result.skip_layers), list(self.search_result.log)
+        elif self.search_result is not None:  # a set searched or loaded before: made for this config?
+            where = str(self.search_file) if self.search_file else "this LayerSkipAssistant (searched earlier)"
+            store.check_fingerprint(self.search_result, target, where)
         bad = [i for i in self.skip_layers if i >= self.stack.num_layers]
         if bad or len(self.skip_layers) >= self.stack.num_layers:
             raise ValueError(f"skip_layers={self.skip_layers} for a {self.stack.num_layers}-layer target: skip "
                              f"indices 0..{self.stack.num_layers - 1}, keeping at least one layer")
         self.kept_layers = [i for i in range(self.stack.num_layers) if i not in self.skip_layers]
+
+    def _searched_or_reused(self, target, prompt: torch.Tensor) -> SearchResult:
+        settings = self.search_settings()
+        earlier = store.remembered(target, settings) if self.reuse_search else None
+        self.search_reused = earlier is not None
+        if earlier is not None:
+            return earlier
+        skip = self.search(prompt)
+        result = SearchResult(tuple(skip), tuple(self.search_log), settings, ModelFingerprint.of(target),
+                              target.config.name_or_path)
+        store.remember(target, result)
+        return result
 
     # ------------------------------------------------------------------------------------------ draft
     def propose(self, ctx: DraftContext) -> DraftProposal:
@@ -96,7 +171,7 @@ class LayerSkipAssistant(Drafter):
         sequence = self._calibration_sequence(prompt)  # [1, T]
         targets = sequence[:, prompt.shape[1]:]  # the tokens the target chose
         every = list(range(self.stack.num_layers))
-        draft_len = self.num_draft_tokens if isinstance(self.num_draft_tokens, int) else 4
+        draft_len = self.search_settings().num_draft_tokens
         # rank the layers once by the agreement without each of them alone (L forwards) ...
         alone = sorted(((self._agreement(sequence, targets, [i]), i) for i in every), reverse=True)
         best, best_speed = [], 1.0  # plain decoding; skipping nothing drafts right at a full forward per token
