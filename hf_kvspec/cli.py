@@ -141,10 +141,10 @@ def _add_generate(subparsers) -> None:
                         "per-depth acceptance, identical output)")
     kernels = p.add_mutually_exclusive_group()
     kernels.add_argument("--decode-kernels", action="store_true",
-                         help="with --assistant: use hf_kvspec's measured CPU decode kernels for small-row linear "
-                              "calls (same results up to rounding; keeps weight copies). Off by default")
+                         help="with --assistant: hf_kvspec's measured CPU decode kernels for small-row linear calls "
+                              "(the default on CPU; same results up to rounding; keeps weight copies)")
     kernels.add_argument("--stock-kernels", action="store_true",
-                         help="with --assistant: torch's stock linear kernels (the default; kept for old scripts)")
+                         help="with --assistant: torch's stock linear kernels (the reference path)")
     p.set_defaults(func=_run_generate, check=functools.partial(_check_generate, p))
 
 
@@ -281,7 +281,8 @@ def _speculative_kwargs(args, model) -> dict:
     else:
         num_draft_tokens = 4 if args.num_draft_tokens is None else args.num_draft_tokens
         assistant = make_assistant(args.assistant, model, num_draft_tokens)
-    return {"custom_generate": speculative_generate, "assistant": assistant, "decode_kernels": args.decode_kernels}
+    decode_kernels = True if args.decode_kernels else False if args.stock_kernels else None  # None: on where it helps
+    return {"custom_generate": speculative_generate, "assistant": assistant, "decode_kernels": decode_kernels}
 
 
 def _print_stats(new_tokens: int, elapsed: float, kv_bytes: int, cache_name: str, acceptance=None) -> None:

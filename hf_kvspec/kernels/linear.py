@@ -1,45 +1,51 @@
-"""Decode kernels: ``nn.Linear`` calls with few rows, on CPU, through the fastest of three measured kernels.
+"""Decode kernels: few-row fp32 ``F.linear`` calls on CPU, routed to the fastest of three measured kernels.
 
-Boundary: swaps the ``forward`` of eligible ``nn.Linear`` instances while a ``DecodeKernels`` context is open and
-puts it back on exit; weights, state dicts and every other module are untouched. The kernels are in ``ops.py``,
-the choice per shape and row bucket in ``trials.py``, the weight copies in ``copies.py``.
+Boundary: while a ``DecodeKernels`` context is open on a thread, a ``torch.overrides.TorchFunctionMode`` sees that
+thread's ``F.linear`` calls and routes those whose weight belongs to an eligible ``nn.Linear`` of the context's
+models; nothing on the user's modules changes (no ``forward`` is replaced, no hook added, weights and state dicts
+untouched), and every other call, thread and model runs stock. The kernels are in ``ops.py``, the choice per
+shape and row bucket in ``trials.py``, the weight copies in ``copies.py``.
 
-Opt-in: ``speculative_generate(..., decode_kernels=True)`` or ``with hf_kvspec.decode_kernels(model): ...``;
-nothing imports this package unless asked. The stock path (``F.linear``) is the reference.
+On by default inside ``speculative_generate`` on CPU (``decode_kernels=False`` there keeps the stock path, the
+reference); elsewhere ``with hf_kvspec.decode_kernels(model): ...``.
 
 Why: decoding runs linear layers on 1 row (plain decode, draft forwards) or on a handful of rows (a
-speculative verify forward: ``K + 1`` rows per sequence). On CPUs where torch's stock ``F.linear`` (MKL sgemm)
-is slow for 2-16 rows, a verify forward can cost about twice a 1-row forward, which eats the gain of
-speculation. Which kernel wins depends on the CPU, the shape and the row count, so nothing is hard-coded: the
-choice is timed on the first real calls (``trials.py``). Per-shape timings on the machine this project
-benchmarks on: docs/speculative.md, "Decode kernels (opt-in, CPU)".
+speculative verify forward: ``K + 1`` rows per sequence). torch's stock ``F.linear`` on CPU (MKL sgemm) repacks
+the weight on every call for few rows, so a verify forward can cost about twice a 1-row forward, which eats the
+gain of speculation; a weight packed once ahead is read once per call at any row count. Which kernel wins
+depends on the CPU, the shape and the row count, so nothing is hard-coded: the choice is timed on the first real
+calls (``trials.py``). Per-shape figures on the machine this project benchmarks on: docs/speculative.md,
+"Decode kernels (CPU)".
 
-Eligible: exactly ``nn.Linear`` (not subclasses such as quantized linears), fp32 weight on CPU, no other
-instance-level ``forward`` (e.g. accelerate hooks). Per call, stock runs when autograd is needed, under CPU
-autocast, while ``torch.compile`` traces, for other dtypes or devices, and above ``max_rows`` rows.
-The swap belongs to the model, not to a thread: another thread's calls on the same model see it too.
+Eligible: exactly ``nn.Linear`` (not subclasses such as quantized linears), fp32 weight on CPU, no instance-level
+``forward`` (e.g. accelerate hooks, which may move the weight per call). Per call, stock
+runs when autograd is needed, under CPU autocast, while ``torch.compile`` traces, for other dtypes or devices, and
+above ``max_rows`` rows. A call is recognised by its weight (the ``Parameter`` object the layer passes to
+``F.linear``), so a weight swapped for another ``Parameter`` while a context is open runs stock.
 
 Memory: each copy is the size of its weight. While a bucket is being timed the few layers of a shape that are
 timed (``trials.PROBES``) may hold a transposed and a oneDNN copy; afterwards only the kernels some bucket of its
-shape chose stay (the LM head may keep both: one for 1 row, one for several). A context never lets the copies of all models exceed ``memory_fraction`` of the
-memory available when it opened (plus what copies already held); past that a layer stays stock, with one
-warning. Reproducibility: which kernel wins is timed on this machine, so fp32 rounding (and, in near ties, a
-greedy token) can differ between machines or runs; ``force=`` or ``decode_kernels=False`` pins the kernel.
+shape chose stay (the LM head may keep both: one for 1 row, one for several). A context never lets the copies of
+all models exceed ``memory_fraction`` of the memory available when it opened (plus what copies already held);
+past that a layer stays stock, with one warning. ``DecodeKernels.report()`` (and a speculative output's
+``acceptance.kernels``) gives the bytes held and the kernel chosen per shape and row bucket. Reproducibility: which
+kernel wins is timed on this machine, so fp32 rounding (and, in near ties, a greedy token) can differ between
+machines or runs; ``force=`` or ``decode_kernels=False`` pins the kernel.
 
 Shapes: ``R`` rows (all leading dims flattened), ``I`` in features, ``O`` out features.
 """
 
 from __future__ import annotations
 
-import functools
+import threading
 import time
 import warnings
-import weakref
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from hf_kvspec.kernels import copies
 from hf_kvspec.kernels.ops import KERNELS, available_kernels, make_copy, onednn_available, run
@@ -47,7 +53,10 @@ from hf_kvspec.kernels.trials import BUCKETS, Trial, bucket_of, group_label, ker
 
 __all__ = ["KERNELS", "DecodeKernels", "decode_kernels", "onednn_available", "plans", "release_decode_kernels"]
 
-_INSTALLED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # nn.Linear -> open contexts, innermost last
+#: layers with fewer weight elements stay stock unless ``min_weight_elements`` says otherwise: their calls take
+#: microseconds, about what the routing's own Python costs
+MIN_WEIGHT_ELEMENTS = 1 << 16
+_OPEN = threading.local()  # .stack: this thread's open contexts, innermost last
 
 
 class _Settled(NamedTuple):
@@ -68,16 +77,16 @@ class DecodeKernels:
         memory_fraction: the most all weight copies may take, as a fraction of the memory available when the
             context opens (plus what copies already held).
         force: one of ``KERNELS`` for every eligible call instead of timing (tests, reproducibility).
-        min_weight_elements: smaller layers stay stock (their calls take microseconds; the swap's own Python
-            costs about as much as any kernel could save there).
+        min_weight_elements: smaller layers stay stock (default ``MIN_WEIGHT_ELEMENTS``).
 
     Contexts may be nested, overlap on the same model (the innermost open one decides) and an instance may be
     re-entered; each swap is undone when the last context using the module closes.
     """
 
     def __init__(self, *models: nn.Module, max_rows: int = 64, memory_fraction: float = 0.25,
-                 force: str | None = None, min_weight_elements: int = 1 << 16):
+                 force: str | None = None, min_weight_elements: int | None = None):
         _require_models(models)
+        min_weight_elements = MIN_WEIGHT_ELEMENTS if min_weight_elements is None else min_weight_elements
         if not (_is_int(max_rows) and 1 <= max_rows <= BUCKETS[-1][1]):
             raise ValueError(f"max_rows must be an int in 1..{BUCKETS[-1][1]}, got {max_rows!r}")
         if not (isinstance(memory_fraction, (int, float)) and 0 <= memory_fraction <= 1):
@@ -94,6 +103,7 @@ class DecodeKernels:
         self.models, self.max_rows, self.force = models, max_rows, force
         self.memory_fraction, self.min_weight_elements = memory_fraction, min_weight_elements
         self.modules: list[nn.Linear] = []
+        self.by_weight: dict[int, nn.Linear] = {}  # id(weight Parameter) -> its eligible layer
         self.resolved: dict[tuple[int, int], _Settled] = {}  # (id(module), rows) -> settled kernel
         self.groups: dict[int, str] = {}  # id(module) -> label of the model it was reached from
         self.allocated = 0  # bytes of weight copies this context made
@@ -109,22 +119,54 @@ class DecodeKernels:
         self._budget = int(self.memory_fraction * (copies.available_bytes() + copies.held_bytes()))
         for model in self.models:
             for module in model.modules():
-                if _eligible(module, self.min_weight_elements) and id(module) not in self.groups:
+                if _eligible(module, self.min_weight_elements) and id(module.weight) not in self.by_weight:
                     copies.verify(module)
                     self.modules.append(module)
+                    self.by_weight[id(module.weight)] = module
                     self.groups[id(module)] = group_label(model)
-                    _install(module, self)
-                elif isinstance(module, nn.Linear) and module not in _INSTALLED:
+                elif isinstance(module, nn.Linear) and not _eligible(module, self.min_weight_elements):
                     copies.release(module)  # e.g. moved to another device or dtype since its copies were made
+        _open(self)
         return self
 
     def __exit__(self, *exc) -> None:
         self._depth -= 1
         if self._depth > 0:
             return
-        for module in self.modules:
-            _uninstall(module, self)
-        self.modules, self.resolved, self.groups = [], {}, {}
+        _close(self)
+        self.modules, self.resolved, self.groups, self.by_weight = [], {}, {}, {}
+
+    def report(self) -> dict:
+        """What the kernels hold and chose: ``bytes_held`` (all weight copies of all models), ``bytes_allocated``
+        (copies this context made), ``calls`` per kernel, and ``plans`` (kernel per model, shape and row bucket)."""
+        return {"bytes_held": copies.held_bytes(), "bytes_allocated": self.allocated, "calls": dict(self.calls),
+                "plans": plans()}
+
+    def serves(self, weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear | None:
+        """The layer whose ``F.linear`` call this is, when it is one of this context's layers."""
+        module = self.by_weight.get(id(weight))
+        return module if module is not None and module.weight is weight and module.bias is bias else None
+
+    def route(self, module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        """``module(x)`` for ``x`` [..., I] -> [..., O] through the chosen kernel (stock included)."""
+        weight, bias = module.weight, module.bias
+        if _needs_stock(weight, bias, x):
+            return F.linear(x, weight, bias)
+        rows = x.numel() // weight.shape[1]
+        hit = _resolved(self, module, weight, rows)
+        if hit is not None:  # the fast path
+            kernel, copy, trial = hit.kernel, hit.copy, None
+            self.calls[kernel] += 1
+        else:
+            kernel, copy, trial = self.kernel_for(module, rows)
+        if trial is None and kernel == "stock":
+            return F.linear(x, weight, bias)
+        flat = x.reshape(rows, weight.shape[1]).contiguous()  # [R, I]
+        start = time.perf_counter()
+        out = run(kernel, flat, copy, bias, weight)  # [R, O]
+        if trial is not None and trial.record(kernel, time.perf_counter() - start):
+            settle(trial.key)
+        return out.reshape(*x.shape[:-1], weight.shape[0])
 
     # ------------------------------------------------------------------------------ per call
     def kernel_for(self, module: nn.Linear, rows: int) -> tuple[str, torch.Tensor | None, Trial | None]:
@@ -199,53 +241,57 @@ def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-# ------------------------------------------------------------------------------------------------ install
+# ------------------------------------------------------------------------------------------------ routing
+_LINEAR = F.linear
+
+
+class _Router(TorchFunctionMode):
+    """One per thread while any context is open there: sends each ``F.linear`` call to the innermost open context
+    that holds its layer; every other torch function, and a linear call no context holds, runs unchanged. Inside
+    the handler this mode is off, so the kernels' own torch calls (and stock ``F.linear``) run plain."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is _LINEAR:
+            x, weight, bias = _linear_arguments(args, kwargs)
+            for context in reversed(_OPEN.stack):
+                module = context.serves(weight, bias)
+                if module is not None:
+                    return context.route(module, x)
+        return func(*args, **kwargs)
+
+
+def _linear_arguments(args: tuple, kwargs: dict) -> tuple:
+    x = args[0] if args else kwargs["input"]
+    weight = args[1] if len(args) > 1 else kwargs["weight"]
+    bias = args[2] if len(args) > 2 else kwargs.get("bias")
+    return x, weight, bias
+
+
+def _open(context: DecodeKernels) -> None:
+    """Put ``context`` innermost on this thread; the first one enters the thread's router."""
+    if not getattr(_OPEN, "stack", None):
+        _OPEN.stack, _OPEN.router = [], _Router()
+        _OPEN.router.__enter__()
+    _OPEN.stack.append(context)
+
+
+def _close(context: DecodeKernels) -> None:
+    """Take ``context`` off this thread's stack (wherever it is: contexts may close out of order); the last one
+    leaves the router."""
+    stack = getattr(_OPEN, "stack", [])
+    if context in stack:
+        stack.remove(context)
+    if not stack and getattr(_OPEN, "router", None) is not None:
+        router, _OPEN.router = _OPEN.router, None
+        router.__exit__(None, None, None)
+
+
 def _eligible(module: nn.Module, min_elements: int) -> bool:
     return (type(module) is nn.Linear and module.weight.device.type == "cpu"
             and module.weight.dtype == torch.float32 and module.weight.dim() == 2
             and module.weight.numel() >= min_elements
-            and ("forward" not in vars(module) or module in _INSTALLED))
-
-
-def _install(module: nn.Linear, context: DecodeKernels) -> None:
-    stack = _INSTALLED.setdefault(module, [])
-    stack.append(context)
-    if len(stack) == 1:
-        module.forward = functools.partial(_forward, module)
-
-
-def _uninstall(module: nn.Linear, context: DecodeKernels) -> None:
-    stack = _INSTALLED.get(module)
-    if stack is None or context not in stack:
-        return
-    stack.remove(context)  # this context's entry, wherever it is (contexts may close out of order)
-    if not stack:
-        del _INSTALLED[module]
-        if getattr(vars(module).get("forward"), "func", None) is _forward:  # not a hook added meanwhile
-            del module.forward  # the class's forward shows through again
-
-
-def _forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """``module(x)`` for ``x`` [..., I] -> [..., O] through the innermost open context's kernel."""
-    weight, bias = module.weight, module.bias
-    stack = _INSTALLED.get(module)  # empty for a deep copy made while swapped: it runs stock
-    if not stack or _needs_stock(weight, bias, x):
-        return F.linear(x, weight, bias)
-    rows, context = x.numel() // weight.shape[1], stack[-1]
-    hit = _resolved(context, module, weight, rows)
-    if hit is not None:  # the fast path
-        kernel, copy, trial = hit.kernel, hit.copy, None
-        context.calls[kernel] += 1
-    else:
-        kernel, copy, trial = context.kernel_for(module, rows)
-    if trial is None and kernel == "stock":
-        return F.linear(x, weight, bias)
-    flat = x.reshape(rows, weight.shape[1]).contiguous()  # [R, I]
-    start = time.perf_counter()
-    out = run(kernel, flat, copy, bias, weight)  # [R, O]
-    if trial is not None and trial.record(kernel, time.perf_counter() - start):
-        settle(trial.key)
-    return out.reshape(*x.shape[:-1], weight.shape[0])
+            and "forward" not in vars(module))  # e.g. accelerate's offload hooks move weights per call: keep stock
 
 
 def _resolved(context: DecodeKernels, module: nn.Linear, weight: torch.Tensor, rows: int) -> _Settled | None:

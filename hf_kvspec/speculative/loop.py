@@ -20,7 +20,6 @@ Shapes: ``B`` rows, ``P`` prompt length, ``N`` draft tokens this round, ``V`` vo
 
 from __future__ import annotations
 
-import contextlib
 import time
 from dataclasses import dataclass
 
@@ -52,7 +51,8 @@ class SpeculativeGenerateOutput(GenerateDecoderOnlyOutput):
 
 
 def speculative_generate(model, input_ids, logits_processor, stopping_criteria, generation_config,
-                         assistant: Drafter | None = None, decode_kernels: bool = False, synced_gpus: bool = False,
+                         assistant: Drafter | None = None, decode_kernels: bool | None = None,
+                         synced_gpus: bool = False,
                          **model_kwargs):
     """``custom_generate`` entry point: ``model.generate(..., custom_generate=speculative_generate, assistant=A)``.
 
@@ -60,11 +60,14 @@ def speculative_generate(model, input_ids, logits_processor, stopping_criteria, 
     replaces only its decoding loop. Returns what ``generate`` returns (a ``SpeculativeGenerateOutput`` with
     ``.acceptance`` when ``return_dict_in_generate=True``).
 
-    ``decode_kernels`` (default False, opt-in, CPU only): True runs the few-row fp32 linear calls of the target
-    and of the drafter's models (verify forwards, draft forwards) through the fastest measured kernel
-    (``hf_kvspec.kernels``). Same math in a different summation order (outputs may differ in the last bits),
-    weight copies held beside the model, ``nn.Linear.forward`` patched on those module instances while the call
-    runs. False (the default, the reference) keeps torch's stock kernels and never imports ``hf_kvspec.kernels``.
+    ``decode_kernels`` (default None: on for a target with fp32 weights on CPU, off elsewhere): runs the few-row
+    fp32 linear calls of the target and of the drafter's models (verify forwards, draft forwards) through the
+    fastest measured kernel (``hf_kvspec.kernels``): a weight packed once is read once per forward whatever its row
+    count, which is what makes verifying drafts cost about one decode step on a CPU. Same math in another summation
+    order (outputs may differ in the last bits); weight copies held beside the model within a memory budget,
+    reported with the kernel chosen per row bucket in ``output.acceptance.kernels``. The routing is scoped to this
+    call and thread (a ``TorchFunctionMode``); the model's modules are never changed. ``False`` keeps torch's stock
+    kernels (the reference) and never imports ``hf_kvspec.kernels``; ``True`` asks for them wherever they apply.
     """
     if assistant is None:
         raise ValueError("speculative_generate needs an assistant: generate(..., custom_generate="
@@ -74,15 +77,25 @@ def speculative_generate(model, input_ids, logits_processor, stopping_criteria, 
         raise NotImplementedError("speculative_generate does not support synced_gpus (DeepSpeed ZeRO-3 / FSDP).")
     decoder = SpeculativeDecoder(model, assistant, logits_processor, stopping_criteria, generation_config,
                                  streamer=_compat.generate_call_streamer())
-    with _decode_kernels(model, assistant) if decode_kernels else contextlib.nullcontext():
+    if decode_kernels is None:
+        decode_kernels = kernels_apply(model)
+    if not decode_kernels:
         return decoder.run(input_ids, model_kwargs)
-
-
-def _decode_kernels(model, assistant: Drafter):
-    """The opt-in kernels' context over the target and the drafter's models (imported only when asked for)."""
     from hf_kvspec.kernels.linear import DecodeKernels
 
-    return DecodeKernels(model, *assistant.kernel_modules())
+    drafting = [module for module in assistant.kernel_modules() if isinstance(module, torch.nn.Module)]
+    with DecodeKernels(model, *drafting) as kernels:
+        try:
+            return decoder.run(input_ids, model_kwargs)
+        finally:
+            decoder.stats.kernels = kernels.report()
+
+
+def kernels_apply(model) -> bool:
+    """True when the decode kernels can help ``model``: fp32 weights on CPU, not being compiled."""
+    weight = next(model.parameters(), None)
+    return (weight is not None and weight.device.type == "cpu" and weight.dtype == torch.float32
+            and not torch.compiler.is_compiling())
 
 
 class SpeculativeDecoder:

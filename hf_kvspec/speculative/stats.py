@@ -36,6 +36,7 @@ class AcceptanceStats:
     verify_time_s: float = 0.0
     draft_lengths: list[int] = field(default_factory=list)  # K used by each round (auto K shows its choices)
     lossy_rules: list[str] = field(default_factory=list)  # names of lossy acceptance rules used (asked for)
+    kernels: dict | None = None  # decode kernels' report (bytes held, kernel per row bucket), None when off
 
     @property
     def target_forwards(self) -> int:
@@ -104,10 +105,12 @@ class AcceptanceStats:
 
     def summary(self) -> dict:
         """Flat dict for logs, benchmark rows and model cards."""
-        out = {k: v for k, v in asdict(self).items() if k not in ("drafted", "accepted", "draft_lengths")}
+        out = {k: v for k, v in asdict(self).items() if k not in ("drafted", "accepted", "draft_lengths", "kernels")}
         out.update(tokens_per_target_forward=round(self.tokens_per_target_forward, 4),
                    mean_acceptance=round(self.mean_acceptance, 4),
                    acceptance_rate=[round(a, 4) for a in self.acceptance_rate], lossy=self.lossy)
+        if self.kernels is not None:
+            out.update(kernel_bytes_held=self.kernels["bytes_held"], kernel_calls=self.kernels["calls"])
         return out
 
     def __str__(self) -> str:

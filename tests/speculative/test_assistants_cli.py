@@ -51,10 +51,10 @@ def test_cli_generate_with_ngram_reports_real_tau(capsys):
     assert tau > 1.0 and "acceptance per position" in out
 
 
-@pytest.mark.parametrize(("flags", "expected"), [([], False), (["--stock-kernels"], False),
+@pytest.mark.parametrize(("flags", "expected"), [([], None), (["--stock-kernels"], False),
                                                 (["--decode-kernels"], True)])
-def test_cli_decode_kernels_are_opt_in(flags, expected):
-    """Decode kernels change numerics (rounding) and keep weight copies: only ``--decode-kernels`` turns them on."""
+def test_cli_decode_kernels_default_to_the_loops_choice(flags, expected):
+    """No flag leaves the choice to the loop (on for fp32 CPU targets); ``--stock-kernels`` is the reference."""
     from hf_kvspec.cli import _speculative_kwargs, build_parser
     from tests.tiny_models import tiny_model
 

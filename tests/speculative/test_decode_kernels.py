@@ -1,7 +1,7 @@
-"""The loop's decode kernels (``decode_kernels=True``, opt-in): greedy output stays token-identical to
-``generate(do_sample=False)`` whichever kernel runs the verify and draft forwards; ``False`` (the default) keeps
-stock. The loop imports ``DecodeKernels`` from ``hf_kvspec.kernels.linear`` only when asked, so the tests replace
-it there."""
+"""The loop's decode kernels (on by default for fp32 CPU targets): greedy output stays token-identical to
+``generate(do_sample=False)`` whichever kernel runs the verify and draft forwards; ``decode_kernels=False`` keeps
+stock and never imports them. The loop imports ``DecodeKernels`` from ``hf_kvspec.kernels.linear`` when it runs,
+so the tests replace it there."""
 
 from __future__ import annotations
 
@@ -27,11 +27,30 @@ def models(request):
     return drafts_for(request.param)
 
 
-def _swaps(module):
-    """Record, per forward of ``module``, whether its forward was swapped at that moment."""
-    seen = []
-    handle = module.register_forward_pre_hook(lambda mod, args: seen.append("forward" in vars(mod)))
-    return seen, handle
+class _Recording(DecodeKernels):
+    """``DecodeKernels`` that remembers every layer it routed (tiny layers count here: threshold 0)."""
+
+    made: list = []
+
+    def __init__(self, *models, **options):
+        super().__init__(*models, **{"min_weight_elements": 0, **options})
+        self.routed = set()
+        _Recording.made.append(self)
+
+    def route(self, module, x):
+        self.routed.add(module)
+        return super().route(module, x)
+
+
+@pytest.fixture
+def recording(monkeypatch):
+    _Recording.made = []
+    monkeypatch.setattr(linear, "DecodeKernels", _Recording)
+    return _Recording.made
+
+
+def _routed(made) -> set:
+    return set().union(*(context.routed for context in made))
 
 
 @pytest.mark.parametrize("kernel", FAST)
@@ -54,45 +73,48 @@ def test_forced_kernels_keep_greedy_identical(models, kernel, bs, monkeypatch):
                               decode_kernels=True, **kw)
         assert torch.equal(out, expected), name
         assert made[-1].calls[kernel] > 0  # the fast kernel really ran
-    assert "forward" not in vars(target.lm_head)  # restored after the call
+    assert "forward" not in vars(target.lm_head)  # never replaced
 
 
-def test_target_and_draft_linears_are_swapped_with_true_and_not_with_false(models, monkeypatch):
-    """The loop opens DecodeKernels over the target and the draft (tiny layers count here: threshold 0)."""
+@pytest.mark.parametrize("enabled", [None, True, False])
+def test_target_and_draft_linears_are_routed_by_default_and_with_true_not_with_false(models, recording, enabled):
     target, drafts = models
     ids, mask = batch(1)
-    monkeypatch.setattr(linear, "DecodeKernels", functools.partial(DecodeKernels, min_weight_elements=0))
-    target_seen, target_hook = _swaps(target.lm_head)
-    draft_seen, draft_hook = _swaps(drafts["partial"].lm_head)
-    try:
-        for enabled in (True, False):
-            target_seen.clear(), draft_seen.clear()
-            target.generate(ids, attention_mask=mask, max_new_tokens=8, pad_token_id=0, do_sample=False,
-                            custom_generate=hf_kvspec.speculative_generate, decode_kernels=enabled,
-                            assistant=hf_kvspec.DraftModelAssistant(drafts["partial"], num_draft_tokens=3))
-            assert target_seen and set(target_seen) == {enabled}
-            assert draft_seen and set(draft_seen) == {enabled}
-    finally:
-        target_hook.remove(), draft_hook.remove()
+    out = target.generate(ids, attention_mask=mask, max_new_tokens=8, pad_token_id=0, do_sample=False,
+                          custom_generate=hf_kvspec.speculative_generate, decode_kernels=enabled,
+                          return_dict_in_generate=True,
+                          assistant=hf_kvspec.DraftModelAssistant(drafts["partial"], num_draft_tokens=3))
+    routed = _routed(recording)
+    assert (target.lm_head in routed and drafts["partial"].lm_head in routed) is (enabled is not False)
+    assert (out.acceptance.kernels is not None) is (enabled is not False)
+    if enabled is not False:
+        assert out.acceptance.kernels["bytes_held"] >= 0 and sum(out.acceptance.kernels["calls"].values()) > 0
 
 
-def test_enable_path_passes_decode_kernels_through(models, monkeypatch):
+def test_a_bf16_target_runs_stock_by_default(recording):
+    target, drafts = drafts_for("llama")
+    half = type(target)(target.config).to(torch.bfloat16).eval()
+    half.load_state_dict(target.state_dict())
+    ids, mask = batch(1)
+    out = half.generate(ids, attention_mask=mask, max_new_tokens=6, pad_token_id=0, do_sample=False,
+                        custom_generate=hf_kvspec.speculative_generate, return_dict_in_generate=True,
+                        assistant=hf_kvspec.NgramAssistant())
+    assert not recording and out.acceptance.kernels is None
+
+
+def test_enable_path_passes_decode_kernels_through(models, recording):
     target, _ = models
     ids, mask = batch(1)
-    monkeypatch.setattr(linear, "DecodeKernels", functools.partial(DecodeKernels, min_weight_elements=0))
-    seen, handle = _swaps(target.lm_head)
     hf_kvspec.enable(target)
     try:
         target.generate(ids, attention_mask=mask, max_new_tokens=6, pad_token_id=0, do_sample=False,
                         assistant=hf_kvspec.NgramAssistant(), decode_kernels=False)
-        assert seen and not any(seen)
-        seen.clear()
+        assert not _routed(recording)
         target.generate(ids, attention_mask=mask, max_new_tokens=6, pad_token_id=0, do_sample=False,
-                        assistant=hf_kvspec.NgramAssistant(), decode_kernels=True)
-        assert seen and all(seen)
+                        assistant=hf_kvspec.NgramAssistant())
+        assert target.lm_head in _routed(recording)
     finally:
         hf_kvspec.disable(target)
-        handle.remove()
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -113,23 +135,6 @@ def test_sampling_with_forced_kernels_draws_what_stock_draws(seed, monkeypatch):
     assert torch.equal(sample(True), stock)
 
 
-def test_default_is_stock(models, monkeypatch):
-    """Without ``decode_kernels=`` no linear of the target or the draft is swapped."""
-    target, drafts = models
-    ids, mask = batch(1)
-    monkeypatch.setattr(linear, "DecodeKernels", functools.partial(DecodeKernels, min_weight_elements=0))
-    target_seen, target_hook = _swaps(target.lm_head)
-    draft_seen, draft_hook = _swaps(drafts["partial"].lm_head)
-    try:
-        target.generate(ids, attention_mask=mask, max_new_tokens=8, pad_token_id=0, do_sample=False,
-                        custom_generate=hf_kvspec.speculative_generate,
-                        assistant=hf_kvspec.DraftModelAssistant(drafts["partial"], num_draft_tokens=3))
-        assert target_seen and not any(target_seen)
-        assert draft_seen and not any(draft_seen)
-    finally:
-        target_hook.remove(), draft_hook.remove()
-
-
 _NOT_IMPORTED = """
 import sys
 import torch
@@ -141,17 +146,18 @@ config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hi
 model = LlamaForCausalLM(config).eval()
 ids = torch.randint(1, 64, (1, 6))
 kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
-model.generate(ids, custom_generate=hf_kvspec.speculative_generate,
+model.generate(ids, custom_generate=hf_kvspec.speculative_generate, decode_kernels=False,
                assistant=hf_kvspec.DraftModelAssistant(model, num_draft_tokens=3), **kw)
 hf_kvspec.enable(model)
-out = model.generate(ids, assistant=hf_kvspec.NgramAssistant(), return_dict_in_generate=True, **kw)
+out = model.generate(ids, assistant=hf_kvspec.NgramAssistant(), return_dict_in_generate=True, decode_kernels=False,
+                     **kw)
 assert out.acceptance.target_forwards > 0, "the speculative loop did not run"
 print(sorted(name for name in sys.modules if name.startswith("hf_kvspec.kernels")))
 """
 
 
-def test_default_generate_does_not_import_the_kernels():
-    """A fresh interpreter: importing hf_kvspec and a speculative generate with default settings (both entry
+def test_the_reference_path_does_not_import_the_kernels():
+    """A fresh interpreter: importing hf_kvspec and a speculative generate with ``decode_kernels=False`` (both entry
     points) leaves ``hf_kvspec.kernels`` unimported."""
     done = subprocess.run([sys.executable, "-c", _NOT_IMPORTED], capture_output=True, text=True, timeout=300,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})

@@ -1,0 +1,14 @@
+"""The speculative suite runs with the decode kernels on (the loop's default on CPU) for every layer, tiny ones
+included, so each greedy-identity and sampling test also checks the fast path; tests that pass
+``decode_kernels=False`` check the stock reference path."""
+
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.fixture(autouse=True)
+def _route_tiny_layers(monkeypatch):
+    from hf_kvspec.kernels import linear
+
+    monkeypatch.setattr(linear, "MIN_WEIGHT_ELEMENTS", 0)
