@@ -16,6 +16,11 @@ import time
 _DTYPE_NAMES = ("bf16", "fp16", "fp32", "fp8")
 
 
+def _vocab_size(text: str) -> int | str:
+    """``--draft-vocab-size``: a positive int or ``full``."""
+    return "full" if text == "full" else _count(1)(text)
+
+
 def _count(minimum: int):
     """An argparse ``type=``: an int of at least ``minimum``."""
     def parse(text: str) -> int:
@@ -134,8 +139,9 @@ def _add_generate(subparsers) -> None:
     p.add_argument("--tree", default=None, choices=TREES,
                    help="with --assistant medusa|eagle: static tree (default, small), chain, or EAGLE-2 dynamic "
                         "(default: medusa default, eagle dynamic)")
-    p.add_argument("--draft-vocab-size", type=_count(1), default=None,
-                   help="with --assistant medusa|eagle: draft only the N most frequent tokens (FR-Spec; exact)")
+    p.add_argument("--draft-vocab-size", type=_vocab_size, default=None,
+                   help="with --assistant medusa|eagle: draft only the N most frequent tokens (FR-Spec; exact), or "
+                        "'full'; default: the heads' shipped draft vocabulary (4096 tokens)")
     p.add_argument("--compare-plain", action="store_true",
                    help="with --assistant: also decode plainly and print a side-by-side table (tokens/s, tau, "
                         "per-depth acceptance, identical output)")

@@ -23,12 +23,13 @@ runs when autograd is needed, under CPU autocast, while ``torch.compile`` traces
 above ``max_rows`` rows. A call is recognised by its weight (the ``Parameter`` object the layer passes to
 ``F.linear``), so a weight swapped for another ``Parameter`` while a context is open runs stock.
 
-Memory: each copy is the size of its weight. While a bucket is being timed the few layers of a shape that are
-timed (``trials.PROBES``) may hold a transposed and a oneDNN copy; afterwards only the kernels some bucket of its
-shape chose stay (the LM head may keep both: one for 1 row, one for several). A context never lets the copies of
+Memory: each copy is the size of its weight. While a bucket is calibrated (``trials.calibrate``: once per process,
+model, shape and row bucket) the layers of that shape hold a copy per candidate kernel; afterwards only the kernels
+some bucket of the shape chose stay (so at most two copies of a layer: e.g. a transposed one for 1 row and a
+oneDNN one for several; about one model's size for a typical decoder). A context never lets the copies of
 all models exceed ``memory_fraction`` of the memory available when it opened (plus what copies already held);
 past that a layer stays stock, with one warning. ``DecodeKernels.report()`` (and a speculative output's
-``acceptance.kernels``) gives the bytes held and the kernel chosen per shape and row bucket. Reproducibility: which
+``acceptance.kernels``) gives the bytes held, the calibration time and the kernel chosen per shape and row bucket. Reproducibility: which
 kernel wins is timed on this machine, so fp32 rounding (and, in near ties, a greedy token) can differ between
 machines or runs; ``force=`` or ``decode_kernels=False`` pins the kernel.
 
@@ -47,9 +48,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from hf_kvspec.kernels import copies
+from hf_kvspec.kernels import copies, trials
 from hf_kvspec.kernels.ops import KERNELS, available_kernels, make_copy, onednn_available, run
-from hf_kvspec.kernels.trials import BUCKETS, Trial, bucket_of, group_label, kernels_in_use, plans, shape_key, trial_for
+from hf_kvspec.kernels.trials import BUCKETS, bucket_of, group_label, kernels_in_use, plans, shape_key
 
 __all__ = ["KERNELS", "DecodeKernels", "decode_kernels", "onednn_available", "plans", "release_decode_kernels"]
 
@@ -107,7 +108,8 @@ class DecodeKernels:
         self.resolved: dict[tuple[int, int], _Settled] = {}  # (id(module), rows) -> settled kernel
         self.groups: dict[int, str] = {}  # id(module) -> label of the model it was reached from
         self.allocated = 0  # bytes of weight copies this context made
-        self.calls = dict.fromkeys(KERNELS, 0)  # linear calls per kernel while this context was innermost
+        self.calls = dict.fromkeys(KERNELS, 0)  # linear calls per kernel this context routed
+        self.calibration_s = 0.0  # seconds this context spent calibrating buckets (trials.calibrate)
         self._budget = 0
         self._depth = 0
         self._warned = False
@@ -138,9 +140,10 @@ class DecodeKernels:
 
     def report(self) -> dict:
         """What the kernels hold and chose: ``bytes_held`` (all weight copies of all models), ``bytes_allocated``
-        (copies this context made), ``calls`` per kernel, and ``plans`` (kernel per model, shape and row bucket)."""
+        (copies this context made), ``calls`` per kernel, ``calibration_s`` (time this context spent timing
+        kernels) and ``plans`` (kernel per model, shape and row bucket)."""
         return {"bytes_held": copies.held_bytes(), "bytes_allocated": self.allocated, "calls": dict(self.calls),
-                "plans": plans()}
+                "calibration_s": self.calibration_s, "plans": plans()}
 
     def serves(self, weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear | None:
         """The layer whose ``F.linear`` call this is, when it is one of this context's layers."""
@@ -153,45 +156,44 @@ class DecodeKernels:
         if _needs_stock(weight, bias, x):
             return F.linear(x, weight, bias)
         rows = x.numel() // weight.shape[1]
-        hit = _resolved(self, module, weight, rows)
-        if hit is not None:  # the fast path
-            kernel, copy, trial = hit.kernel, hit.copy, None
-            self.calls[kernel] += 1
-        else:
-            kernel, copy, trial = self.kernel_for(module, rows)
-        if trial is None and kernel == "stock":
+        settled = _resolved(self, module, weight, rows) or self.settle(module, rows)
+        self.calls[settled.kernel] += 1
+        if settled.kernel == "stock":
             return F.linear(x, weight, bias)
         flat = x.reshape(rows, weight.shape[1]).contiguous()  # [R, I]
-        start = time.perf_counter()
-        out = run(kernel, flat, copy, bias, weight)  # [R, O]
-        if trial is not None and trial.record(kernel, time.perf_counter() - start):
-            settle(trial.key)
-        return out.reshape(*x.shape[:-1], weight.shape[0])
+        return run(settled.kernel, flat, settled.copy, bias, weight).reshape(*x.shape[:-1], weight.shape[0])
 
-    # ------------------------------------------------------------------------------ per call
-    def kernel_for(self, module: nn.Linear, rows: int) -> tuple[str, torch.Tensor | None, Trial | None]:
-        """The kernel for a call of ``rows`` rows, its weight copy, and the trial to report the call's time to
-        while the bucket is still being timed (``("stock", None, None)`` when no other kernel applies)."""
+    # ------------------------------------------------------------------------------ choosing
+    def settle(self, module: nn.Linear, rows: int) -> _Settled:
+        """The kernel and copy for ``module``'s calls of ``rows`` rows (calibrating the bucket on its first call);
+        later calls with as many rows find it in ``resolved``."""
         bucket = bucket_of(rows) if rows <= self.max_rows else None
         key = shape_key(module, self.groups.get(id(module), ""))
-        kernel, trial, final = "stock", None, True  # final: this module's kernel for ``rows`` no longer changes
-        if bucket is not None and self.force is not None:
+        if bucket is None:
+            kernel = "stock"
+        elif self.force is not None:
             kernel = self.force
-        elif bucket is not None:
-            pending = trial_for(key, bucket, available_kernels())
-            timed = None if pending.chosen else pending.next_kernel(module)
-            kernel = pending.chosen or timed or "stock"
-            trial, final = (pending, False) if timed else (None, pending.chosen is not None)
+        else:
+            kernel = trials.chosen(key, bucket) or self._calibrate(key, bucket)
         copy = None if kernel == "stock" else self._copy(module, kernel, key)
-        if kernel != "stock" and copy is None:  # no room for the copy: this call runs stock
-            if trial is not None and trial.drop(kernel):
-                settle(key)
-            kernel, trial = "stock", None
-        if final:  # later calls of this module with as many rows skip the lookups (``_resolved``)
-            self.resolved[id(module), rows] = _Settled(kernel, copy, copies.WeightStamp.of(module.weight),
-                                                       torch.get_num_threads())
-        self.calls[kernel] += 1
-        return kernel, copy, trial
+        if copy is None:  # stock, or no room for the copy: this layer runs stock
+            kernel = "stock"
+        settled = _Settled(kernel, copy, copies.WeightStamp.of(module.weight), torch.get_num_threads())
+        self.resolved[id(module), rows] = settled
+        return settled
+
+    def _calibrate(self, key: tuple, bucket: int) -> str:
+        """Time the kernels on every layer of shape ``key`` (``trials.calibrate``); keep only used copies."""
+        layers = [m for m in self.modules if shape_key(m, self.groups[id(m)]) == key]
+        start = time.perf_counter()
+        with torch.no_grad():
+            kernel = trials.calibrate(
+                key, bucket, layers, available_kernels(),
+                copy_for=lambda module, k: self._copy(module, k, key) is not None,
+                run=lambda k, x, module: run(k, x, copies.get(module, k, key), module.bias, module.weight))
+        copies.prune(key, kernels_in_use(key))
+        self.calibration_s += time.perf_counter() - start
+        return kernel
 
     def _copy(self, module: nn.Linear, kernel: str, key: tuple) -> torch.Tensor | None:
         copy = copies.get(module, kernel, key)
@@ -223,11 +225,6 @@ def release_decode_kernels(*models: nn.Module) -> int:
     """Free the weight copies kept for these models' linear layers; returns the bytes freed."""
     _require_models(models, "release_decode_kernels")
     return sum(copies.release(module) for model in models for module in model.modules())
-
-
-def settle(key: tuple) -> None:
-    """A bucket of this shape just chose: drop copies no bucket of the shape uses any more."""
-    copies.prune(key, kernels_in_use(key))
 
 
 def _require_models(models: tuple, name: str = "decode_kernels") -> None:

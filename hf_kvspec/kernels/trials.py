@@ -1,86 +1,83 @@
-"""Choosing a kernel per weight shape and row bucket by timing real calls.
+"""Choosing a kernel per weight shape and row bucket by timing sweeps over the model's own layers.
 
-Boundary: process-wide bookkeeping (``PLANS``), no tensors. Which kernel wins depends on the CPU, the BLAS
-build, the thread count, the shape, the row count and whether the weight is in cache, so nothing is
-hard-coded: the first real calls of a shape in a row bucket rotate through the kernels (each call still
-computes the layer) and report their time; after ``SAMPLES`` calls per kernel the lowest median wins if it
-beats stock's median by ``MARGIN`` (stock otherwise: no copy). Only the first ``PROBES`` modules of a shape are
-timed, each rotating through every kernel, stock included, so the kernels are compared on the same layers
-(a layer that is hot in cache must not race a cold one); the other layers run stock meanwhile and only
-the probes get copies before the choice. Trials are per model (``group_label``): a small draft model whose
-weights stay in cache is timed apart from its target. A model's layers share shapes (30 layers of SmolLM2 give
-30 calls per shape per forward), so a choice settles within a few forwards.
+Boundary: process-wide bookkeeping (``PLANS``) and the timing loop; it gets the layers, the weight copies and the
+kernels from its caller (``linear.py``) and keeps no tensors.
+
+Which kernel wins depends on the CPU, the BLAS build, the thread count, the shape, the row count and whether the
+weight is in cache, so nothing is hard-coded. The first call of a shape in a row bucket calibrates it: every
+candidate kernel computes the bucket's smallest and largest row counts on *all* layers of the shape, one after the other, as a forward
+does (the weights are as cold as in a forward: a model's layers do not fit in the CPU's caches together), in
+``ROUNDS`` interleaved rounds after one untimed warm-up round; a kernel's time is its fastest round (timer and
+scheduler noise only ever adds). The fastest kernel is chosen if it beats stock by ``MARGIN`` (copies cost
+memory), stock otherwise. Timing single calls of a few probe layers (an earlier design) was misled by noise on
+calls of a few hundred microseconds; a sweep costs ``ROUNDS + 1`` passes over the shape's weights per kernel, once
+per process, model, shape and bucket. Plans are per model (``group_label``): a small draft model whose weights
+stay in cache is calibrated apart from its target.
 """
 
 from __future__ import annotations
 
 import itertools
-import statistics
+import time
 import weakref
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
 
 #: row buckets (low, high): a shape's kernel is chosen per bucket; more rows than the last high run stock
 BUCKETS = ((1, 1), (2, 4), (5, 8), (9, 16), (17, 64))
-#: a non-stock kernel's median must be at most this fraction of stock's (copies cost memory)
-MARGIN = 0.9
-SAMPLES = 8  # timed real calls per kernel before a bucket's choice is made
-PROBES = 4  # modules per shape and bucket that try non-stock kernels while it is timed
+#: a non-stock kernel must take at most this fraction of stock's time to be chosen (copies cost memory)
+MARGIN = 0.97
+ROUNDS = 3  # timed sweeps per kernel (after one warm-up sweep); the fastest counts
 
-
-@dataclass
-class Trial:
-    """Timings of the kernels on real calls of one shape in one row bucket, until one is chosen."""
-
-    candidates: tuple[str, ...]
-    key: tuple = ()  # the shape key this trial decides for (see ``shape_key``)
-    seconds: dict[str, list[float]] = field(default_factory=dict)
-    chosen: str | None = None
-    probes: dict[int, int] = field(default_factory=dict)  # id() of a timed module -> its next turn (offset + calls)
-
-    def next_kernel(self, module: object) -> str | None:
-        """The kernel ``module``'s next call should time, or None when ``module`` is not one of the probes (it
-        runs stock, untimed). Each probe cycles through every candidate, starting at its own offset, so every
-        kernel is timed on every probe layer."""
-        if id(module) not in self.probes:
-            if len(self.probes) >= PROBES:
-                return None
-            self.probes[id(module)] = len(self.probes)  # offset: probes start on different kernels
-        turn = self.probes[id(module)]
-        self.probes[id(module)] = turn + 1
-        return self.candidates[turn % len(self.candidates)]
-
-    def record(self, kernel: str, seconds: float) -> bool:
-        """Add one timing; True when this completed the trial (``chosen`` is now set)."""
-        self.seconds.setdefault(kernel, []).append(seconds)
-        return self._maybe_choose()
-
-    def drop(self, kernel: str) -> bool:
-        """Stop considering ``kernel`` (e.g. no memory for its copies); True when that completed the trial."""
-        self.candidates = tuple(k for k in self.candidates if k != kernel)
-        self.seconds.pop(kernel, None)
-        return self._maybe_choose()
-
-    def _maybe_choose(self) -> bool:
-        if self.chosen is not None or any(len(self.seconds.get(k, ())) < SAMPLES for k in self.candidates):
-            return False
-        median = {kernel: statistics.median(times) for kernel, times in self.seconds.items()}
-        best = min(median, key=median.get, default="stock")
-        self.chosen = best if best != "stock" and median[best] <= MARGIN * median["stock"] else "stock"
-        return True
-
-
-PLANS: dict[tuple, dict[int, Trial]] = {}  # shape key -> {bucket index: trial}
-
+PLANS: dict[tuple, dict[int, str]] = {}  # shape key -> {bucket index: chosen kernel}
+SECONDS: dict[tuple, dict[int, dict[str, float]]] = {}  # shape key -> {bucket: {kernel: fastest sweep seconds}}
 
 _LABELS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its label
 _COUNTER = itertools.count()
 
+#: ``run(kernel, x [R, I], module) -> [R, O]`` and ``copy_for(module, kernel) -> bool`` (False: no memory for it)
+Runner = Callable[[str, torch.Tensor, nn.Linear], torch.Tensor]
+
+
+def calibrate(key: tuple, bucket: int, layers: Sequence[nn.Linear], candidates: Sequence[str],
+              copy_for: Callable[[nn.Linear, str], bool], run: Runner, clock=time.perf_counter) -> str:
+    """Time ``candidates`` over ``layers`` (all of one shape) at the bucket's smallest and largest row counts (a
+    kernel's speed can step inside a bucket), record and return the choice (least total time)."""
+    usable = ["stock"] + [k for k in candidates if k != "stock" and all(copy_for(m, k) for m in layers)]
+    best = dict.fromkeys(usable, 0.0)
+    for rows in sorted(set(BUCKETS[bucket])):
+        x = torch.randn(rows, layers[0].weight.shape[1], dtype=layers[0].weight.dtype)  # [R, I]
+        for kernel, seconds in _sweeps(usable, layers, x, run, clock).items():
+            best[kernel] += seconds
+    chosen = pick(best)
+    PLANS.setdefault(key, {})[bucket] = chosen
+    SECONDS.setdefault(key, {})[bucket] = best
+    return chosen
+
+
+def _sweeps(kernels: Sequence[str], layers: Sequence[nn.Linear], x: torch.Tensor, run: Runner, clock) -> dict:
+    """{kernel: fastest of ``ROUNDS`` timed sweeps over ``layers`` on input ``x`` [R, I]}, after a warm-up sweep."""
+    best = dict.fromkeys(kernels, float("inf"))
+    for sweep in range(ROUNDS + 1):
+        for kernel in kernels if sweep % 2 else reversed(kernels):  # alternate the order: no kernel always first
+            start = clock()
+            for module in layers:
+                run(kernel, x, module)
+            if sweep > 0:
+                best[kernel] = min(best[kernel], clock() - start)
+    return best
+
+
+def pick(seconds: dict[str, float]) -> str:
+    """The fastest kernel if it beats stock's time by ``MARGIN``, else stock."""
+    fastest = min(seconds, key=seconds.get)
+    return fastest if fastest != "stock" and seconds[fastest] <= MARGIN * seconds["stock"] else "stock"
+
 
 def group_label(model: nn.Module) -> str:
-    """Names the model a module was reached from: trials are kept per model, and forgotten with it (a new
+    """Names the model a module was reached from: plans are kept per model, and forgotten with it (a new
     model that gets a dead one's ``id`` starts afresh)."""
     label = _LABELS.get(model)
     if label is None:
@@ -90,8 +87,9 @@ def group_label(model: nn.Module) -> str:
 
 
 def _forget(label: str) -> None:
-    for key in [key for key in PLANS if key[0] == label]:
-        del PLANS[key]
+    for table in (PLANS, SECONDS):
+        for key in [key for key in table if key[0] == label]:
+            del table[key]
 
 
 def shape_key(module: nn.Linear, group: str = "") -> tuple:
@@ -107,33 +105,26 @@ def bucket_of(rows: int) -> int | None:
     return None
 
 
-def trial_for(key: tuple, bucket: int, candidates: tuple[str, ...]) -> Trial:
-    trials = PLANS.setdefault(key, {})
-    if bucket not in trials:
-        trials[bucket] = Trial(candidates, key)
-    return trials[bucket]
+def chosen(key: tuple, bucket: int) -> str | None:
+    return PLANS.get(key, {}).get(bucket)
 
 
 def kernels_in_use(key: tuple) -> set[str]:
-    """Kernels some bucket of this shape chose or may still choose (their copies are worth keeping)."""
-    used = set()
-    for trial in PLANS.get(key, {}).values():
-        used |= {trial.chosen} if trial.chosen else set(trial.candidates)
-    return used
+    """Kernels some bucket of this shape chose (their copies are worth keeping)."""
+    return set(PLANS.get(key, {}).values())
 
 
 def plans() -> dict[str, dict[str, dict[str, str]]]:
     """The kernel per model, shape and row bucket so far, e.g.
-    ``{"LlamaForCausalLM#0": {"49152x576@1t": {"1": "transposed", "2-4": "timing"}}}``
+    ``{"LlamaForCausalLM#0": {"49152x576@1t": {"1": "transposed", "2-4": "onednn"}}}``
     (shape ``OxI``, ``+bias`` when it has one, torch threads)."""
     result: dict[str, dict[str, dict[str, str]]] = {}
-    for (group, out, inp, bias, threads), trials in PLANS.items():
+    for (group, out, inp, bias, threads), buckets in PLANS.items():
         shape = f"{out}x{inp}" + ("+bias" if bias else "") + f"@{threads}t"
-        result.setdefault(group, {})[shape] = {_bucket_name(index): trial.chosen or "timing"
-                                               for index, trial in sorted(trials.items())}
+        result.setdefault(group, {})[shape] = {bucket_name(index): kernel for index, kernel in sorted(buckets.items())}
     return result
 
 
-def _bucket_name(index: int) -> str:
+def bucket_name(index: int) -> str:
     low, high = BUCKETS[index]
     return str(low) if low == high else f"{low}-{high}"

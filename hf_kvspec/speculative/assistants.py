@@ -32,9 +32,10 @@ HEAD_ASSISTANTS = ("medusa", "eagle")
 TREES = ("default", "small", "chain", "dynamic")
 
 
-def check_head_options(kind: str, tree: str | None = None, draft_vocab_size: int | None = None) -> str:
+def check_head_options(kind: str, tree: str | None = None, draft_vocab_size: int | str | None = None) -> str:
     """Check a bundled-head assistant's options without loading anything; returns the tree to use (``None``:
-    Medusa's ``"default"`` static tree, EAGLE's ``"dynamic"`` one)."""
+    the assistant's own default). ``draft_vocab_size``: an int, ``"full"`` (the whole vocabulary) or ``None`` (the
+    shipped draft vocabulary, ``draft_vocab.SHIPPED_SIZE`` ids)."""
     if kind not in HEAD_ASSISTANTS:
         raise ValueError(f"bundled heads are {' or '.join(HEAD_ASSISTANTS)}, got {kind!r}")
     tree = tree or ("default" if kind == "medusa" else "dynamic")
@@ -43,14 +44,14 @@ def check_head_options(kind: str, tree: str | None = None, draft_vocab_size: int
     if tree == "dynamic" and kind == "medusa":
         raise ValueError("a dynamic tree is grown from EAGLE's own draft confidence; Medusa takes default, small or "
                          "chain (or use --assistant eagle)")
-    if draft_vocab_size is not None and (isinstance(draft_vocab_size, bool) or not isinstance(draft_vocab_size, int)
-                                         or draft_vocab_size < 1):
-        raise ValueError(f"draft_vocab_size must be a positive int, got {draft_vocab_size!r}")
+    if draft_vocab_size not in (None, "full") and (isinstance(draft_vocab_size, bool)
+                                                   or not isinstance(draft_vocab_size, int) or draft_vocab_size < 1):
+        raise ValueError(f"draft_vocab_size must be a positive int or 'full', got {draft_vocab_size!r}")
     return tree
 
 
 def make_head_assistant(kind: str, target, tree: str | None = None, num_draft_tokens: int | str | None = None,
-                        draft_vocab_size: int | None = None):
+                        draft_vocab_size: int | str | None = None):
     """``MedusaAssistant``/``EagleAssistant`` over the heads shipped for the bundled model (attached to ``target``
     on the first call, pairing checked); ``num_draft_tokens`` None = the tree's size, or ``"auto"``."""
     tree = check_head_options(kind, tree, draft_vocab_size)
@@ -60,7 +61,8 @@ def make_head_assistant(kind: str, target, tree: str | None = None, num_draft_to
 
     heads = load_bundled_heads(kind, dtype=target.dtype)
     assistant = MedusaAssistant if kind == "medusa" else EagleAssistant
-    return assistant(heads, tree=tree, num_draft_tokens=num_draft_tokens, draft_vocab_size=draft_vocab_size)
+    vocab = {None: "shipped", "full": None}.get(draft_vocab_size, draft_vocab_size)
+    return assistant(heads, tree=tree, num_draft_tokens=num_draft_tokens, draft_vocab_size=vocab)
 
 
 def check_spec(spec: str) -> tuple[str, int | Path | None]:

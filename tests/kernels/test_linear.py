@@ -196,56 +196,79 @@ def test_ineligible_modules_are_left_alone():
     assert hooked.forward is marker
 
 
-def test_real_calls_time_the_kernels_then_the_choice_is_fixed(monkeypatch):
+class _FakeClock:
+    """Each timed sweep of kernel k takes ``cost[k]`` seconds (the runner advances the clock per layer)."""
+
+    def __init__(self, cost: dict[str, float]):
+        self.now, self.cost = 0.0, cost
+
+    def __call__(self) -> float:
+        return self.now
+
+    def runner(self, kernel, x, module):
+        self.now += self.cost[kernel]
+        return F.linear(x, module.weight, module.bias)
+
+
+def test_the_first_call_of_a_bucket_calibrates_it_then_the_choice_is_fixed(monkeypatch):
     monkeypatch.setattr(trials, "PLANS", {})
     net = _net()
     x = torch.randn(6, 256)
     with torch.no_grad():
         expected = net(x)
         with DecodeKernels(net) as ctx:
-            first = net(x)
-            assert _plan(net, "1000x320+bias") == {"5-8": "timing"}
-            for _ in range(trials.SAMPLES * len(KERNELS)):
-                _close(net(x), expected)  # every timed call computes the layer, whichever kernel ran it
-    _close(first, expected)
+            _close(net(x), expected)
+            assert set(_plan(net, "1000x320+bias")) == {"5-8"}  # decided by the first call
+            _close(net(x), expected)
     chosen = _plan(net, "1000x320+bias")["5-8"]
-    assert chosen in KERNELS
-    assert ctx.calls["stock"] >= trials.SAMPLES and sum(ctx.calls.values()) > 2 * trials.SAMPLES
-    assert all(k != "timing" for shape in plans()[trials.group_label(net)].values() for k in shape.values())
+    assert chosen in KERNELS and ctx.calibration_s > 0 and sum(ctx.calls.values()) == 4
     with torch.no_grad(), DecodeKernels(net) as again:
         net(x)
-    assert again.calls[chosen] >= 1 and sum(again.calls.values()) == 2  # fixed for the process: no more timing
+    assert again.calls[chosen] >= 1 and sum(again.calls.values()) == 2 and again.calibration_s == 0  # no re-timing
 
 
-@pytest.mark.parametrize(("fast_time", "expected"), [(0.5, "onednn"), (0.95, "stock"), (2.0, "stock")])
-def test_trial_picks_the_lowest_median_only_with_a_margin_over_stock(fast_time, expected):
-    trial = trials.Trial(("stock", "onednn"))
-    for i in range(trials.SAMPLES):
-        assert trial.chosen is None
-        trial.record("stock", 1.0 + (5.0 if i == 0 else 0.0))  # one outlier: medians, not means
-        done = trial.record("onednn", fast_time)
-    assert done and trial.chosen == expected
+@pytest.mark.parametrize(("fast_time", "expected"), [(0.5, "onednn"), (0.98, "stock"), (2.0, "stock")])
+def test_calibration_picks_the_fastest_only_with_a_margin_over_stock(monkeypatch, fast_time, expected):
+    monkeypatch.setattr(trials, "PLANS", {})
+    layers = [nn.Linear(32, 48) for _ in range(3)]
+    clock = _FakeClock({"stock": 1.0, "onednn": fast_time, "transposed": 5.0})
+    chosen = trials.calibrate(("g", 48, 32, True, 1), 1, layers, ("stock", "transposed", "onednn"),
+                              copy_for=lambda module, kernel: True, run=clock.runner, clock=clock)
+    assert chosen == expected == trials.chosen(("g", 48, 32, True, 1), 1)
+    # both ends of the bucket (2 and 4 rows), ROUNDS sweeps each, three layers a sweep, fastest sweep counts
+    assert trials.SECONDS[("g", 48, 32, True, 1)][1]["stock"] == pytest.approx(2 * 3 * 1.0)
+
+
+def test_calibration_times_every_layer_of_the_shape_at_both_ends_of_the_bucket():
+    layers = [nn.Linear(32, 48) for _ in range(4)]
+    seen = []
+    trials.calibrate(("h", 48, 32, True, 1), 2, layers, ("stock", "transposed"), copy_for=lambda m, k: True,
+                     run=lambda kernel, x, module: seen.append((kernel, x.shape[0], id(module))))
+    low, high = trials.BUCKETS[2]
+    for kernel in ("stock", "transposed"):
+        for rows in (low, high):
+            calls = [s for s in seen if s[:2] == (kernel, rows)]
+            assert len(calls) == (trials.ROUNDS + 1) * len(layers)  # warm-up + timed sweeps over every layer
+            assert {s[2] for s in calls} == {id(m) for m in layers}
+
+
+def test_a_kernel_without_memory_for_its_copies_is_not_a_candidate():
+    layers = [nn.Linear(32, 48) for _ in range(2)]
+    clock = _FakeClock({"stock": 1.0, "onednn": 0.1, "transposed": 0.5})
+    chosen = trials.calibrate(("i", 48, 32, True, 1), 1, layers, KERNELS,
+                              copy_for=lambda module, kernel: kernel != "onednn", run=clock.runner, clock=clock)
+    assert chosen == "transposed"
 
 
 @pytest.mark.skipif(not onednn_available(), reason="needs two non-stock kernels")
 def test_copies_no_bucket_chose_are_dropped(monkeypatch):
+    monkeypatch.setattr(trials, "PLANS", {})
+    monkeypatch.setattr(trials, "pick", lambda seconds: "transposed")
     net = _net()
     layer = net[2]
-    x = torch.randn(3, 256)
-    key = _key(layer, net)
-    with torch.no_grad():
-        with DecodeKernels(net, force="transposed"):
-            net(x)
-        with DecodeKernels(net, force="onednn"):
-            net(x)
-        trial = trials.Trial(KERNELS, key)
-        trial.seconds = {"stock": [1.0] * trials.SAMPLES, "onednn": [2.0] * trials.SAMPLES,
-                         "transposed": [0.1] * (trials.SAMPLES - 1)}
-        monkeypatch.setattr(trials, "PLANS", {key: {1: trial}})
-        with DecodeKernels(net):
-            for _ in KERNELS:  # the probe's turn on transposed completes the trial: the oneDNN copies go
-                net[2](torch.randn(3, 320))
-    assert trial.chosen == "transposed"
+    with torch.no_grad(), DecodeKernels(net):
+        net[2](torch.randn(3, 320))  # calibration made copies for every candidate, then kept the chosen one
+    assert _plan(net, "1000x320+bias") == {"2-4": "transposed"}
     assert copies.kernels_held(layer) == {"transposed"}
 
 
@@ -260,24 +283,23 @@ def test_bad_arguments():
 def test_stock_choice_makes_no_copy(monkeypatch):
     net = _net()
     key = _key(net[2], net[2])
-    monkeypatch.setattr(trials, "PLANS", {key: {1: trials.Trial(KERNELS, key, chosen="stock")}})
+    monkeypatch.setattr(trials, "PLANS", {key: {1: "stock"}})
     with torch.no_grad(), DecodeKernels(net[2]) as ctx:
         net[2](torch.randn(3, 320))
     assert ctx.allocated == 0 and ctx.calls["stock"] == 1
 
 
-def test_a_trial_that_picks_stock_drops_the_copies(monkeypatch):
+def test_a_calibration_that_picks_stock_drops_the_copies(monkeypatch):
+    monkeypatch.setattr(trials, "PLANS", {})
+    monkeypatch.setattr(trials, "pick", lambda seconds: "stock")
     net = _net()
     layer, x = net[2], torch.randn(3, 320)
     with torch.no_grad(), DecodeKernels(layer, force=FAST[0]):
         layer(x)
     assert copies.kernels_held(layer) == {FAST[0]}
-    trial = trials.Trial(("stock", FAST[0]), _key(layer, layer))
-    trial.seconds = {"stock": [1e-9] * (trials.SAMPLES - 1), FAST[0]: [1.0] * trials.SAMPLES}
-    monkeypatch.setattr(trials, "PLANS", {trial.key: {1: trial}})
-    with torch.no_grad(), DecodeKernels(layer):
-        layer(x)  # stock's last timed call completes the trial: stock wins
-    assert trial.chosen == "stock"
+    with torch.no_grad(), DecodeKernels(layer) as ctx:
+        layer(x)
+    assert trials.chosen(_key(layer, layer), 1) == "stock" and ctx.calls["stock"] == 1
     assert copies.kernels_held(layer) == set()
 
 
@@ -353,15 +375,14 @@ def test_a_deep_copy_made_inside_a_context_runs_stock_afterwards():
         assert torch.equal(clone(x), net(x))
 
 
-def test_no_memory_for_copies_ends_the_trial_on_stock(monkeypatch):
+def test_no_memory_for_copies_calibrates_to_stock(monkeypatch):
     monkeypatch.setattr(trials, "PLANS", {})
     monkeypatch.setattr(copies, "available_bytes", lambda: 0)
     monkeypatch.setattr(copies, "held_bytes", lambda: 0)  # copies other tests left behind: no room either
     net = _net()
     x = torch.randn(3, 256)
     with torch.no_grad(), pytest.warns(RuntimeWarning, match="memory_fraction"), DecodeKernels(net) as ctx:
-        for _ in range(trials.SAMPLES * len(KERNELS)):
-            net(x)
+        net(x)
     assert set(_plan(net, "1000x320+bias").values()) == {"stock"}
     assert ctx.allocated == 0
 
@@ -383,8 +404,11 @@ def test_snapshot_positions_stay_in_bounds_for_weights_past_float32_precision():
     assert snapshot.shape == (16,) and snapshot[-1] == 7.0
 
 
-def test_only_the_first_few_layers_of_a_shape_try_other_kernels(monkeypatch):
+def test_one_calibration_serves_every_layer_of_the_shape(monkeypatch):
     monkeypatch.setattr(trials, "PLANS", {})
+    calls = []
+    real = trials.calibrate
+    monkeypatch.setattr(trials, "calibrate", lambda *args, **kw: calls.append(len(args[2])) or real(*args, **kw))
     torch.manual_seed(0)
     deep = nn.Sequential(*[nn.Linear(256, 256) for _ in range(10)]).eval()
     x = torch.randn(3, 256)
@@ -392,11 +416,8 @@ def test_only_the_first_few_layers_of_a_shape_try_other_kernels(monkeypatch):
         expected = deep(x)
         with DecodeKernels(deep) as ctx:
             _close(deep(x), expected)
-            holding = [layer for layer in deep if copies.kernels_held(layer)]
-            assert 0 < len(holding) <= trials.PROBES and set(holding) <= set(deep[:trials.PROBES])
-            while _plan(deep, "256x256+bias")["2-4"] == "timing":
-                _close(deep(x), expected)
-    assert sum(ctx.calls.values()) <= 10 * (trials.SAMPLES * len(KERNELS))  # settles within a few forwards
+            _close(deep(x), expected)
+    assert calls == [10] and sum(ctx.calls.values()) == 20  # one sweep over all ten layers, then plain calls
 
 
 def test_small_layers_stay_stock_unless_asked():
@@ -419,7 +440,7 @@ def test_settled_calls_take_the_fast_path_and_notice_weight_changes():
         _close(actual, net(x))
 
 
-def test_each_model_is_timed_apart(monkeypatch):
+def test_each_model_is_calibrated_apart(monkeypatch):
     """A draft whose weights stay in cache must not decide for its target's cold layers of the same shape."""
     monkeypatch.setattr(trials, "PLANS", {})
     target, draft = _net(seed=0), _net(seed=1)
@@ -442,18 +463,7 @@ def test_a_parameter_replaced_inside_a_context_is_not_served_a_stale_copy():
             _close(layer(x), F.linear(x, layer.weight))
 
 
-def test_every_probe_times_every_kernel():
-    trial = trials.Trial(("stock", "transposed"))
-    layers = [object() for _ in range(trials.PROBES)]
-    seen = {id(layer): set() for layer in layers}
-    for _ in range(2):
-        for layer in layers:
-            seen[id(layer)].add(trial.next_kernel(layer))
-    assert all(kernels == {"stock", "transposed"} for kernels in seen.values())
-    assert trial.next_kernel(object()) is None  # a fifth layer runs stock, untimed
-
-
-def test_a_deleted_models_trials_are_forgotten(monkeypatch):
+def test_a_deleted_models_plans_are_forgotten(monkeypatch):
     import gc
 
     monkeypatch.setattr(trials, "PLANS", {})

@@ -11,6 +11,7 @@ import torch
 import hf_kvspec
 from hf_kvspec.cli import _print_comparison, _speculative_kwargs, build_parser, main
 from hf_kvspec.speculative.assistants import check_head_options, make_head_assistant
+from hf_kvspec.speculative.draft_vocab import SHIPPED_SIZE
 from hf_kvspec.speculative.stats import AcceptanceStats
 
 
@@ -48,8 +49,10 @@ def test_cli_builds_the_bundled_head_assistants(kind, tree, cls):
     target = types.SimpleNamespace(dtype=torch.float32)  # the heads attach on the first call, not here
     assistant = _speculative_kwargs(args, target)["assistant"]
     assert isinstance(assistant, cls) and assistant.vocab.size == 2048 and assistant.auto is not None
-    plain = make_head_assistant(kind, target)
-    assert plain.vocab is None and plain.auto is None and plain.draft_length() == (plain.tree.num_nodes if kind == "medusa" else 24)
+    shipped = make_head_assistant(kind, target)  # the heads' shipped draft vocabulary by default
+    assert shipped.vocab.size == SHIPPED_SIZE
+    full = make_head_assistant(kind, target, draft_vocab_size="full")
+    assert full.vocab is None
 
 
 def test_compare_plain_table(capsys):

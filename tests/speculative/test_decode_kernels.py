@@ -9,6 +9,7 @@ import functools
 import os
 import subprocess
 import sys
+from typing import ClassVar
 
 import pytest
 import torch
@@ -30,7 +31,7 @@ def models(request):
 class _Recording(DecodeKernels):
     """``DecodeKernels`` that remembers every layer it routed (tiny layers count here: threshold 0)."""
 
-    made: list = []
+    made: ClassVar[list] = []
 
     def __init__(self, *models, **options):
         super().__init__(*models, **{"min_weight_elements": 0, **options})
@@ -92,7 +93,7 @@ def test_target_and_draft_linears_are_routed_by_default_and_with_true_not_with_f
 
 
 def test_a_bf16_target_runs_stock_by_default(recording):
-    target, drafts = drafts_for("llama")
+    target, _ = drafts_for("llama")
     half = type(target)(target.config).to(torch.bfloat16).eval()
     half.load_state_dict(target.state_dict())
     ids, mask = batch(1)
@@ -137,6 +138,7 @@ def test_sampling_with_forced_kernels_draws_what_stock_draws(seed, monkeypatch):
 
 _NOT_IMPORTED = """
 import sys
+from typing import ClassVar
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 import hf_kvspec

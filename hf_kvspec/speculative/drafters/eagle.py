@@ -45,7 +45,9 @@ class EagleAssistant(Drafter):
     defaults are 60 nodes, depth 7, top-k 10).
     ``draft_vocab_size``: the drafter scores only the most frequent target tokens (FR-Spec, ``draft_vocab.py``),
     ranked by ``draft_vocab`` (ids tensor or file; default: the ranking shipped in the head's directory); the tree
-    is grown in draft-vocabulary columns and mapped back to target ids. Still exact (the target verifies).
+    is grown in draft-vocabulary columns and mapped back to target ids. Still exact (the target verifies). The
+    default ``"shipped"`` takes ``draft_vocab.SHIPPED_SIZE`` ids of a shipped ranking when the head has one (the
+    bundled heads do); ``None`` scores the full vocabulary.
 
     The drafter reads the target features of ``config.feature_layers``; the loop must pass exactly those,
     concatenated (``features.FeatureCapture``). A head that is not attached yet is attached on the first call.
@@ -57,7 +59,7 @@ class EagleAssistant(Drafter):
 
     def __init__(self, drafter_head, tree: str | Sequence[Sequence[int]] = "dynamic", depth: int = 5,
                  top_k: int = 4, total_tokens: int = 24, num_draft_tokens: int | str | None = None,
-                 draft_vocab_size: int | None = None, draft_vocab=None):
+                 draft_vocab_size: int | str | None = "shipped", draft_vocab=None):
         if min(depth, top_k, total_tokens) < 1:
             raise ValueError(f"depth, top_k and total_tokens must be >= 1, got {depth}, {top_k}, {total_tokens}.")
         self.static = None if tree == "dynamic" else static_tree(tree, depth)
@@ -67,12 +69,11 @@ class EagleAssistant(Drafter):
             self.auto = AutoTreeSize(dynamic_menu(depth, total_tokens, top_k) if self.static is None
                                      else static_menu(self.static))
         self.head = drafter_head.eval()
-        if draft_vocab_size is not None and getattr(drafter_head, "has_draft_vocab", False):
+        if draft_vocab_size not in (None, "shipped") and getattr(drafter_head, "has_draft_vocab", False):
             raise ValueError("this head was trained with its own draft vocabulary (config.draft_vocab_size="
                              f"{drafter_head.config.draft_vocab_size}): its projection is already restricted; leave "
                              "draft_vocab_size unset.")
-        self.vocab = None if draft_vocab_size is None else DraftVocabulary.for_head(drafter_head, draft_vocab_size,
-                                                                                    draft_vocab)
+        self.vocab = DraftVocabulary.resolve(drafter_head, draft_vocab_size, draft_vocab)
         self._fitted: dict[tuple, object] = {}
         self.feature_layers = tuple(drafter_head.config.feature_layers)
         self.depth, self.top_k, self.total_tokens = depth, top_k, total_tokens

@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 
 from hf_kvspec.cache.contract import crop_layers
+from hf_kvspec.speculative.draft_vocab import SHIPPED_SIZE, DraftVocabulary, load_ranking
 from hf_kvspec.speculative.drafters.base import ChainDraft, DraftContext, Drafter, DraftProposal
 from hf_kvspec.speculative.partial_forward import PartialForward
 
@@ -39,15 +40,21 @@ class EarlyExitAssistant(Drafter):
     ``adapter``: optional module mapping layer-E hidden states [B, T, H] to hidden states [B, T, H] for the final
     norm and LM head, position by position (e.g. ``hf_kvspec.ExitAdapter``, which is attached to the target at
     ``begin``: pairing checked); None = exit straight into the final norm (works when the model was trained for
-    early exit). ``exit_layer=None`` takes the adapter's own ``config.exit_layer``."""
+    early exit). ``exit_layer=None`` takes the adapter's own ``config.exit_layer``.
+
+    ``draft_vocab_size`` (FR-Spec, ``draft_vocab.py``; exact, the target verifies): the default ``"shipped"`` scores
+    ``draft_vocab.SHIPPED_SIZE`` ids of the ranking shipped beside a trained adapter (the bundled one has one), so a
+    draft step reads that many rows of the LM head instead of all; an int takes that many ids of ``draft_vocab``
+    (ids tensor or file) or of the shipped ranking; ``None`` the full vocabulary."""
 
     shares_target_cache = True
     can_drop_rows = True  # no per-row state survives a round
 
     def __init__(self, exit_layer: int | None, num_draft_tokens: int | str = 4, adapter=None,
-                 max_draft_tokens: int = 16):
+                 max_draft_tokens: int = 16, draft_vocab_size: int | str | None = "shipped", draft_vocab=None):
         super().__init__(num_draft_tokens, max_draft_tokens)
         exit_layer = _adapter_exit_layer(exit_layer, adapter)
+        self.vocab = _exit_vocabulary(adapter, draft_vocab_size, draft_vocab)
         if isinstance(exit_layer, bool) or not isinstance(exit_layer, int) or exit_layer < 1:
             raise ValueError(f"exit_layer must be a positive int (the number of layers that draft), got "
                              f"{exit_layer!r}")
@@ -101,6 +108,8 @@ class EarlyExitAssistant(Drafter):
         """Layer-E states [B, T, H] -> draft logits [B, T, V] (adapter, final norm, shared LM head)."""
         if self.adapter is not None:
             state = self.adapter(state)
+        if self.vocab is not None:  # draft vocabulary: only its rows of the LM head are read
+            return self.vocab.full_logits(self.stack.norm(state), self.stack.lm_head.weight)
         return self.stack.logits(state)
 
     # ------------------------------------------------------------------------------------------ verify
@@ -132,6 +141,20 @@ class EarlyExitAssistant(Drafter):
     def end(self) -> None:
         self.kept = None
         self.stack = None
+
+
+def _exit_vocabulary(adapter, size: int | str | None, ranking) -> DraftVocabulary | None:
+    """The draft vocabulary of an exit: the adapter's shipped ranking (``DraftVocabulary.resolve``), or without an
+    adapter the ``ranking`` passed (no ranking: the full vocabulary, or an error when a size was asked for)."""
+    if adapter is not None:
+        return DraftVocabulary.resolve(adapter, size, ranking)
+    if ranking is None:
+        if size not in (None, "shipped"):
+            raise ValueError(f"draft_vocab_size={size} needs a token ranking: pass draft_vocab=<ids tensor or file> "
+                             "(e.g. a head directory's token_ranking.safetensors) or a trained adapter that ships one.")
+        return None
+    ids = ranking if isinstance(ranking, torch.Tensor) else load_ranking(ranking)
+    return None if size is None else DraftVocabulary(ids[:SHIPPED_SIZE if size == "shipped" else size])
 
 
 def _adapter_exit_layer(exit_layer: int | None, adapter) -> int | None:

@@ -37,7 +37,9 @@ class MedusaAssistant(Drafter):
     round from measured acceptance and verify cost (``autotree.AutoTreeSize``). Near ``max_new_tokens`` the loop
     caps the depth, not the width.
     ``draft_vocab_size``: score only the most frequent target tokens (FR-Spec, ``draft_vocab.py``), ranked by
-    ``draft_vocab`` (ids tensor or file; default: the ranking shipped in the heads' directory). Still exact.
+    ``draft_vocab`` (ids tensor or file; default: the ranking shipped in the heads' directory). Still exact. The
+    default ``"shipped"`` takes ``draft_vocab.SHIPPED_SIZE`` ids of a shipped ranking when the heads have one (the
+    bundled heads do); ``None`` scores the full vocabulary.
     ``acceptance="typical"`` asks the loop for Medusa's typical acceptance under sampling: faster, **lossy**
     (the output no longer follows the target's distribution), flagged by ``lossy``. Heads that are not attached
     yet are attached to the target on the first call (pairing checked).
@@ -50,7 +52,8 @@ class MedusaAssistant(Drafter):
 
     def __init__(self, heads, tree: str | Sequence[Sequence[int]] = "default", acceptance: str = "exact",
                  num_draft_tokens: int | str | None = None, posterior_threshold: float = 0.09,
-                 posterior_alpha: float = 0.3, draft_vocab_size: int | None = None, draft_vocab=None):
+                 posterior_alpha: float = 0.3, draft_vocab_size: int | str | None = "shipped",
+                 draft_vocab=None):
         self.tree = static_tree(tree, heads.config.num_heads)
         if self.tree.max_depth > heads.config.num_heads:
             raise ValueError(f"the tree is {self.tree.max_depth} deep but the Medusa heads have "
@@ -62,8 +65,7 @@ class MedusaAssistant(Drafter):
         if num_draft_tokens == "auto":
             self.auto = AutoTreeSize(static_menu(self.tree))
         self.heads = heads.eval()
-        self.vocab = None if draft_vocab_size is None else DraftVocabulary.for_head(heads, draft_vocab_size,
-                                                                                    draft_vocab)
+        self.vocab = DraftVocabulary.resolve(heads, draft_vocab_size, draft_vocab)
         self.acceptance = acceptance
         self.lossy = acceptance == "typical"
         #: the name the loop records in ``AcceptanceStats.lossy_rules`` when it applies ``verify`` (None: exact)
