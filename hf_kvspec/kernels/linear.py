@@ -38,9 +38,11 @@ Shapes: ``R`` rows (all leading dims flattened), ``I`` in features, ``O`` out fe
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 import warnings
+from pathlib import Path
 from typing import NamedTuple
 
 import torch
@@ -79,13 +81,19 @@ class DecodeKernels:
             context opens (plus what copies already held).
         force: one of ``KERNELS`` for every eligible call instead of timing (tests, reproducibility).
         min_weight_elements: smaller layers stay stock (default ``MIN_WEIGHT_ELEMENTS``).
+        route_on_enter: True routes every ``F.linear`` call while the context is open; False only those inside
+            ``with context.routing():`` blocks (the speculative loop routes its verify forwards only: elsewhere a
+            routed call saves less than the routing's own per-call Python costs).
+        plans_file: a JSON file of kernel choices (``trials.load_plans``): buckets found there are not
+            calibrated again, and new choices are added to it when the context closes. None: this process only.
 
     Contexts may be nested, overlap on the same model (the innermost open one decides) and an instance may be
     re-entered; each swap is undone when the last context using the module closes.
     """
 
     def __init__(self, *models: nn.Module, max_rows: int = 64, memory_fraction: float = 0.25,
-                 force: str | None = None, min_weight_elements: int | None = None):
+                 force: str | None = None, min_weight_elements: int | None = None, route_on_enter: bool = True,
+                 plans_file: str | Path | None = None):
         _require_models(models)
         min_weight_elements = MIN_WEIGHT_ELEMENTS if min_weight_elements is None else min_weight_elements
         if not (_is_int(max_rows) and 1 <= max_rows <= BUCKETS[-1][1]):
@@ -103,6 +111,11 @@ class DecodeKernels:
                                "(torch.backends.mkldnn); use force='transposed' or leave force=None.")
         self.models, self.max_rows, self.force = models, max_rows, force
         self.memory_fraction, self.min_weight_elements = memory_fraction, min_weight_elements
+        self.route_on_enter = route_on_enter
+        self.plans_file = plans_file
+        self._stored: dict[str, str] = {}  # the plan file's choices, read when the context opens
+        self._new: dict[str, str] = {}  # choices calibrated by this context, for the plan file
+        self._calibrated: set[tuple] = set()  # shape keys this context calibrated (their spare copies go on exit)
         self.modules: list[nn.Linear] = []
         self.by_weight: dict[int, nn.Linear] = {}  # id(weight Parameter) -> its eligible layer
         self.resolved: dict[tuple[int, int], _Settled] = {}  # (id(module), rows) -> settled kernel
@@ -128,6 +141,7 @@ class DecodeKernels:
                     self.groups[id(module)] = group_label(model)
                 elif isinstance(module, nn.Linear) and not _eligible(module, self.min_weight_elements):
                     copies.release(module)  # e.g. moved to another device or dtype since its copies were made
+        self._stored = trials.load_plans(self.plans_file) if self.plans_file is not None else {}
         _open(self)
         return self
 
@@ -136,7 +150,25 @@ class DecodeKernels:
         if self._depth > 0:
             return
         _close(self)
+        for key in self._calibrated:
+            copies.prune(key, kernels_in_use(key))  # calibration's copies of kernels no bucket chose
+        self._save_plans()
+        self._calibrated = set()
         self.modules, self.resolved, self.groups, self.by_weight = [], {}, {}, {}
+
+    @contextlib.contextmanager
+    def routing(self):
+        """Route this thread's ``F.linear`` calls through the open contexts inside the block (for contexts made
+        with ``route_on_enter=False``; a no-op when routing is already on)."""
+        if self._depth == 0:
+            raise RuntimeError("DecodeKernels.routing() needs the context open: `with kernels: ... with "
+                               "kernels.routing(): ...`")
+        started = _start_routing()
+        try:
+            yield self
+        finally:
+            if started:
+                _stop_routing()
 
     def report(self) -> dict:
         """What the kernels hold and chose: ``bytes_held`` (all weight copies of all models), ``bytes_allocated``
@@ -183,17 +215,34 @@ class DecodeKernels:
         return settled
 
     def _calibrate(self, key: tuple, bucket: int) -> str:
-        """Time the kernels on every layer of shape ``key`` (``trials.calibrate``); keep only used copies."""
+        """The plan file's choice for this bucket, or time the kernels on every layer of shape ``key``
+        (``trials.calibrate``). Copies of the kernels no bucket chose are dropped when the context closes (a
+        later bucket's calibration reuses them meanwhile)."""
         layers = [m for m in self.modules if shape_key(m, self.groups[id(m)]) == key]
+        stored = self._stored.get(trials.disk_key(key, len(layers), bucket))
+        if stored in available_kernels():
+            trials.PLANS.setdefault(key, {})[bucket] = stored
+            return stored
         start = time.perf_counter()
         with torch.no_grad():
             kernel = trials.calibrate(
                 key, bucket, layers, available_kernels(),
                 copy_for=lambda module, k: self._copy(module, k, key) is not None,
                 run=lambda k, x, module: run(k, x, copies.get(module, k, key), module.bias, module.weight))
-        copies.prune(key, kernels_in_use(key))
         self.calibration_s += time.perf_counter() - start
+        self._calibrated.add(key)
+        self._new[trials.disk_key(key, len(layers), bucket)] = kernel
         return kernel
+
+    def _save_plans(self) -> None:
+        if self.plans_file is None or not self._new:
+            return
+        try:
+            trials.save_plans(self.plans_file, {**trials.load_plans(self.plans_file), **self._new})
+        except OSError as err:  # a read-only cache directory costs a calibration next time, nothing else
+            warnings.warn(f"DecodeKernels: could not store kernel plans in {self.plans_file}: {err}",
+                          RuntimeWarning, stacklevel=3)
+        self._new = {}
 
     def _copy(self, module: nn.Linear, kernel: str, key: tuple) -> torch.Tensor | None:
         copy = copies.get(module, kernel, key)
@@ -214,6 +263,14 @@ class DecodeKernels:
                           "torch's stock kernel (slower, same results). Raise memory_fraction or free memory.",
                           RuntimeWarning, stacklevel=5)
             self._warned = True
+
+
+def default_plans_file() -> Path:
+    """Where ``speculative_generate`` keeps kernel choices: ``decode_kernel_plans.json`` in the package's cache
+    directory (``HF_KVSPEC_CACHE``, default ``~/.cache/hf_kvspec``), beside the converted bundled model."""
+    from hf_kvspec.models import cache_dir
+
+    return cache_dir() / "decode_kernel_plans.json"
 
 
 def decode_kernels(*models: nn.Module, **kwargs) -> DecodeKernels:
@@ -266,21 +323,40 @@ def _linear_arguments(args: tuple, kwargs: dict) -> tuple:
 
 
 def _open(context: DecodeKernels) -> None:
-    """Put ``context`` innermost on this thread; the first one enters the thread's router."""
-    if not getattr(_OPEN, "stack", None):
-        _OPEN.stack, _OPEN.router = [], _Router()
-        _OPEN.router.__enter__()
+    """Put ``context`` innermost on this thread; the first one that routes on enter starts the thread's router."""
+    if not hasattr(_OPEN, "stack"):
+        _OPEN.stack, _OPEN.router, _OPEN.routing_contexts = [], None, 0
     _OPEN.stack.append(context)
+    if context.route_on_enter:
+        _OPEN.routing_contexts += 1
+        _start_routing()
 
 
 def _close(context: DecodeKernels) -> None:
-    """Take ``context`` off this thread's stack (wherever it is: contexts may close out of order); the last one
-    leaves the router."""
+    """Take ``context`` off this thread's stack (wherever it is: contexts may close out of order); the router stops
+    when no open context routes on enter (a ``routing()`` block in progress keeps its own)."""
     stack = getattr(_OPEN, "stack", [])
-    if context in stack:
-        stack.remove(context)
-    if not stack and getattr(_OPEN, "router", None) is not None:
-        router, _OPEN.router = _OPEN.router, None
+    if context not in stack:
+        return
+    stack.remove(context)
+    if context.route_on_enter:
+        _OPEN.routing_contexts -= 1
+        if _OPEN.routing_contexts == 0:
+            _stop_routing()
+
+
+def _start_routing() -> bool:
+    """Enter this thread's router unless it is on; True when this call entered it."""
+    if _OPEN.router is not None:
+        return False
+    _OPEN.router = _Router()
+    _OPEN.router.__enter__()
+    return True
+
+
+def _stop_routing() -> None:
+    router, _OPEN.router = _OPEN.router, None
+    if router is not None:
         router.__exit__(None, None, None)
 
 

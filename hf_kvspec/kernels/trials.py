@@ -5,7 +5,7 @@ kernels from its caller (``linear.py``) and keeps no tensors.
 
 Which kernel wins depends on the CPU, the BLAS build, the thread count, the shape, the row count and whether the
 weight is in cache, so nothing is hard-coded. The first call of a shape in a row bucket calibrates it: every
-candidate kernel computes the bucket's smallest and largest row counts on *all* layers of the shape, one after the other, as a forward
+candidate kernel computes the bucket's largest row count on *all* layers of the shape, one after the other, as a forward
 does (the weights are as cold as in a forward: a model's layers do not fit in the CPU's caches together), in
 ``ROUNDS`` interleaved rounds after one untimed warm-up round; a kernel's time is its fastest round (timer and
 scheduler noise only ever adds). The fastest kernel is chosen if it beats stock by ``MARGIN`` (copies cost
@@ -13,23 +13,31 @@ memory), stock otherwise. Timing single calls of a few probe layers (an earlier 
 calls of a few hundred microseconds; a sweep costs ``ROUNDS + 1`` passes over the shape's weights per kernel, once
 per process, model, shape and bucket. Plans are per model (``group_label``): a small draft model whose weights
 stay in cache is calibrated apart from its target.
+
+A plan file (``load_plans``/``save_plans``, JSON) keeps choices across processes, keyed by what makes timings
+alike: CPU model, torch version, threads, shape, bias, how many layers share the shape (a proxy for whether they
+stay in cache) and bucket; ``speculative_generate`` keeps one under the package's cache directory, so a machine
+calibrates once.
 """
 
 from __future__ import annotations
 
 import itertools
+import json
+import platform
 import time
 import weakref
+from pathlib import Path
 from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
 
 #: row buckets (low, high): a shape's kernel is chosen per bucket; more rows than the last high run stock
-BUCKETS = ((1, 1), (2, 4), (5, 8), (9, 16), (17, 64))
+BUCKETS = ((1, 1), (2, 4), (5, 8), (9, 16), (17, 32), (33, 64))
 #: a non-stock kernel must take at most this fraction of stock's time to be chosen (copies cost memory)
 MARGIN = 0.97
-ROUNDS = 3  # timed sweeps per kernel (after one warm-up sweep); the fastest counts
+ROUNDS = 2  # timed sweeps per kernel (after one warm-up sweep); the fastest counts
 
 PLANS: dict[tuple, dict[int, str]] = {}  # shape key -> {bucket index: chosen kernel}
 SECONDS: dict[tuple, dict[int, dict[str, float]]] = {}  # shape key -> {bucket: {kernel: fastest sweep seconds}}
@@ -43,14 +51,12 @@ Runner = Callable[[str, torch.Tensor, nn.Linear], torch.Tensor]
 
 def calibrate(key: tuple, bucket: int, layers: Sequence[nn.Linear], candidates: Sequence[str],
               copy_for: Callable[[nn.Linear, str], bool], run: Runner, clock=time.perf_counter) -> str:
-    """Time ``candidates`` over ``layers`` (all of one shape) at the bucket's smallest and largest row counts (a
-    kernel's speed can step inside a bucket), record and return the choice (least total time)."""
+    """Time ``candidates`` over ``layers`` (all of one shape) at the bucket's largest row count (where a kernel
+    that repacks per call loses most; measured on the bundled model, the winner there also wins below it),
+    record and return the choice."""
     usable = ["stock"] + [k for k in candidates if k != "stock" and all(copy_for(m, k) for m in layers)]
-    best = dict.fromkeys(usable, 0.0)
-    for rows in sorted(set(BUCKETS[bucket])):
-        x = torch.randn(rows, layers[0].weight.shape[1], dtype=layers[0].weight.dtype)  # [R, I]
-        for kernel, seconds in _sweeps(usable, layers, x, run, clock).items():
-            best[kernel] += seconds
+    x = torch.randn(BUCKETS[bucket][1], layers[0].weight.shape[1], dtype=layers[0].weight.dtype)  # [R, I]
+    best = _sweeps(usable, layers, x, run, clock)
     chosen = pick(best)
     PLANS.setdefault(key, {})[bucket] = chosen
     SECONDS.setdefault(key, {})[bucket] = best
@@ -128,3 +134,41 @@ def plans() -> dict[str, dict[str, dict[str, str]]]:
 def bucket_name(index: int) -> str:
     low, high = BUCKETS[index]
     return str(low) if low == high else f"{low}-{high}"
+
+
+# ---------------------------------------------------------------------------------------------- plan files
+def disk_key(key: tuple, layers: int, bucket: int) -> str:
+    """The plan file's key of an in-process ``(shape key, bucket)`` whose shape ``layers`` layers share."""
+    _, out, inp, bias, threads = key
+    return (f"{_cpu_name()}|torch {torch.__version__}|{threads}t|{out}x{inp}{'+bias' if bias else ''}"
+            f"|{layers} layers|rows {bucket_name(bucket)}")
+
+
+def load_plans(path: str | Path) -> dict[str, str]:
+    """The choices stored in ``path`` (empty when it is missing or unreadable: then the buckets calibrate)."""
+    try:
+        stored = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return {}
+    plans = stored.get("plans", {}) if isinstance(stored, dict) else {}
+    return {k: v for k, v in plans.items() if isinstance(k, str) and v in ("stock", "transposed", "onednn")}
+
+
+def save_plans(path: str | Path, plans: dict[str, str]) -> None:
+    """Write ``plans`` to ``path`` atomically (a reader never sees half a file); errors are left to the caller."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(json.dumps({"format": "hf_kvspec decode kernel plans v1", "plans": plans}, indent=1,
+                                  sort_keys=True))
+    partial.replace(path)
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()

@@ -62,7 +62,15 @@ class AutoDraftLength:
         self.probe_every = probe_every
         self.decay = decay
         self.prior_slope_ratio = prior_slope_ratio
+        self.batch = None
         self.reset()
+
+    def start_call(self, batch: int) -> None:
+        """A new ``generate`` call over ``batch`` rows: the estimates carry over from earlier calls with as many
+        rows (verify cost grows with the rows, acceptance is decayed as it goes), else they start afresh."""
+        if batch != self.batch:
+            self.batch = batch
+            self.reset()
 
     def reset(self) -> None:
         self.accepted = 1.0  # prior: a = 0.5 worth one observation each way

@@ -111,7 +111,15 @@ class AutoTreeSize:
         self.initial = initial if initial is not None else self.menu[-1]
         self.probe_every, self.decay, self.prior_slope_ratio = probe_every, decay, prior_slope_ratio
         self.explore = explore
+        self.batch = None
         self.reset()
+
+    def start_call(self, batch: int) -> None:
+        """A new ``generate`` call over ``batch`` rows: the estimates carry over from earlier calls with as many
+        rows (verify cost grows with the rows, acceptance is decayed as it goes), else they start afresh."""
+        if batch != self.batch:
+            self.batch = batch
+            self.reset()
 
     def reset(self) -> None:
         self.rates: dict[Shape, _Rate] = {}

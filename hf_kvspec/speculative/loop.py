@@ -20,6 +20,7 @@ Shapes: ``B`` rows, ``P`` prompt length, ``N`` draft tokens this round, ``V`` vo
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 
@@ -81,10 +82,11 @@ def speculative_generate(model, input_ids, logits_processor, stopping_criteria, 
         decode_kernels = kernels_apply(model)
     if not decode_kernels:
         return decoder.run(input_ids, model_kwargs)
-    from hf_kvspec.kernels.linear import DecodeKernels
+    from hf_kvspec.kernels.linear import DecodeKernels, default_plans_file
 
     drafting = [module for module in assistant.kernel_modules() if isinstance(module, torch.nn.Module)]
-    with DecodeKernels(model, *drafting) as kernels:
+    with DecodeKernels(model, *drafting, route_on_enter=False, plans_file=default_plans_file()) as kernels:
+        decoder.kernels = kernels
         try:
             return decoder.run(input_ids, model_kwargs)
         finally:
@@ -111,6 +113,7 @@ class SpeculativeDecoder:
         self.stopper = PositionwiseStopper(stopping_criteria)
         self.streamer = streamer
         self.stats = AcceptanceStats()
+        self.kernels = None  # the decode kernels' context (speculative_generate sets it when they are on)
         self.pad_token_id = _compat.generation_pad_token_id(generation_config)
         self.record_scores = bool(generation_config.return_dict_in_generate and generation_config.output_scores)
         self.record_logits = bool(generation_config.return_dict_in_generate and generation_config.output_logits)
@@ -211,7 +214,8 @@ class SpeculativeDecoder:
         start = time.perf_counter()
         plan = plan_round(rows.full_proposal(self._draft()))  # draft: [B, N], a chain or a tree
         drafted = _now(plan.proposal.tokens)
-        logits, hidden = self._verify_forward(plan)  # verify forward: [B, N + 1, V]; hidden [A, N + 1, H]
+        with self._routing(plan):
+            logits, hidden = self._verify_forward(plan)  # verify forward: [B, N + 1, V]; hidden [A, N + 1, H]
         scores = plan.scores(self.processor, self.history, logits)  # each node processed after its own path
         result = plan.verify(scores, self.do_sample, self.rule)  # accept
         verified = _now(logits)
@@ -273,6 +277,12 @@ class SpeculativeDecoder:
         if self.stopper.max_length is None:
             return 1 << 30
         return int((self.stopper.max_length - self.history.lengths[self.alive]).max())
+
+    def _routing(self, plan):
+        """The decode kernels' routing around a verify forward that carries drafts (several rows per sequence,
+        where a weight read once pays); plain steps and the prompt's prefill run stock."""
+        drafts = plan.proposal.tokens.shape[1] > 0
+        return self.kernels.routing() if self.kernels is not None and drafts else contextlib.nullcontext()
 
     def _verify_forward(self, plan):
         """One target forward over the columns the cache lacks and the drafts (inputs from ``plan``); returns the

@@ -235,21 +235,20 @@ def test_calibration_picks_the_fastest_only_with_a_margin_over_stock(monkeypatch
     chosen = trials.calibrate(("g", 48, 32, True, 1), 1, layers, ("stock", "transposed", "onednn"),
                               copy_for=lambda module, kernel: True, run=clock.runner, clock=clock)
     assert chosen == expected == trials.chosen(("g", 48, 32, True, 1), 1)
-    # both ends of the bucket (2 and 4 rows), ROUNDS sweeps each, three layers a sweep, fastest sweep counts
-    assert trials.SECONDS[("g", 48, 32, True, 1)][1]["stock"] == pytest.approx(2 * 3 * 1.0)
+    # the fastest of the timed sweeps, three layers a sweep
+    assert trials.SECONDS[("g", 48, 32, True, 1)][1]["stock"] == pytest.approx(3 * 1.0)
 
 
-def test_calibration_times_every_layer_of_the_shape_at_both_ends_of_the_bucket():
+def test_calibration_times_every_layer_of_the_shape_at_the_buckets_largest_row_count():
     layers = [nn.Linear(32, 48) for _ in range(4)]
     seen = []
     trials.calibrate(("h", 48, 32, True, 1), 2, layers, ("stock", "transposed"), copy_for=lambda m, k: True,
                      run=lambda kernel, x, module: seen.append((kernel, x.shape[0], id(module))))
-    low, high = trials.BUCKETS[2]
     for kernel in ("stock", "transposed"):
-        for rows in (low, high):
-            calls = [s for s in seen if s[:2] == (kernel, rows)]
-            assert len(calls) == (trials.ROUNDS + 1) * len(layers)  # warm-up + timed sweeps over every layer
-            assert {s[2] for s in calls} == {id(m) for m in layers}
+        calls = [s for s in seen if s[0] == kernel]
+        assert {s[1] for s in calls} == {trials.BUCKETS[2][1]}
+        assert len(calls) == (trials.ROUNDS + 1) * len(layers)  # warm-up + timed sweeps over every layer
+        assert {s[2] for s in calls} == {id(m) for m in layers}
 
 
 def test_a_kernel_without_memory_for_its_copies_is_not_a_candidate():
@@ -503,3 +502,48 @@ def test_report_gives_bytes_and_plans():
     report = ctx.report()
     assert report["bytes_allocated"] == 4 * (256 * 320 + 320 * 1000)  # one fp32 copy per layer
     assert report["bytes_held"] >= report["bytes_allocated"] and report["calls"][FAST[0]] == 2
+
+
+def test_route_on_enter_false_routes_only_inside_routing_blocks():
+    net = _net()
+    x = torch.randn(3, 256)
+    kernels = DecodeKernels(net, force=FAST[0], route_on_enter=False)
+    with pytest.raises(RuntimeError, match="context open"), kernels.routing():
+        pass
+    with torch.no_grad(), kernels:
+        net(x)
+        assert sum(kernels.calls.values()) == 0
+        with kernels.routing():
+            net(x)
+        net(x)
+    assert kernels.calls[FAST[0]] == 2 and sum(kernels.calls.values()) == 2
+
+
+def test_a_plan_file_spares_the_next_process_the_calibration(monkeypatch, tmp_path):
+    plans_file = tmp_path / "plans.json"
+    monkeypatch.setattr(trials, "PLANS", {})
+    net = _net()
+    x = torch.randn(3, 256)
+    with torch.no_grad(), DecodeKernels(net, plans_file=plans_file) as first:
+        net(x)
+    chosen = _plan(net, "1000x320+bias")["2-4"]
+    assert first.calibration_s > 0 and chosen in trials.load_plans(plans_file).values()
+    monkeypatch.setattr(trials, "PLANS", {})  # as in a new process
+    monkeypatch.setattr(trials, "calibrate", lambda *a, **k: pytest.fail("calibrated although the file knew"))
+    with torch.no_grad(), DecodeKernels(net, plans_file=plans_file) as second:
+        _close(net(x), F.linear(F.relu(F.linear(x, net[0].weight, net[0].bias)), net[2].weight, net[2].bias))
+    assert second.calibration_s == 0 and _plan(net, "1000x320+bias")["2-4"] == chosen
+
+
+def test_an_unreadable_plan_file_means_calibrating_and_an_unwritable_one_a_warning(monkeypatch, tmp_path):
+    monkeypatch.setattr(trials, "PLANS", {})
+    broken = tmp_path / "plans.json"
+    broken.write_text("{not json")
+    assert trials.load_plans(broken) == {}
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    net = _net()
+    with torch.no_grad(), pytest.warns(RuntimeWarning, match="could not store kernel plans"):
+        with DecodeKernels(net, plans_file=blocked / "plans.json") as ctx:  # a file where a folder should be
+            net(torch.randn(3, 256))
+    assert ctx.calibration_s > 0

@@ -165,13 +165,14 @@ class Drafter(abc.ABC):
         self.stats = AcceptanceStats()
 
     def begin(self, target, buffer: TokenBuffer, target_hidden: torch.Tensor | None = None) -> None:
-        """Called once per ``generate`` call, before the first round; resets per-call state. The buffer holds the
+        """Called once per ``generate`` call, before the first round; resets per-call state (an ``"auto"`` draft length
+        keeps what it measured in earlier calls with as many rows: costs and acceptance carry over). The buffer holds the
         prompt; when ``wants_hidden_states`` the target has already run a prefill forward (``target_hidden``
         [B, P, H]) and the buffer also holds its first token, otherwise the first round's verify forward feeds
         the prompt too (no separate prefill)."""
         self.stats = AcceptanceStats()
         if self.auto is not None:
-            self.auto.reset()
+            self.auto.start_call(buffer.tokens.shape[0])
 
     def draft_length(self) -> int:
         """N for the next round (the loop caps it by the tokens left to generate)."""
