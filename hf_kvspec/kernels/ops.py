@@ -20,6 +20,9 @@ import torch.nn.functional as F
 
 KERNELS = ("stock", "transposed", "onednn")
 _ONEDNN_ROWS_HINT = 8  # oneDNN's batch-size hint for the reorder; any row count works with the result
+#: oneDNN's prepacked linear takes longer for 2 rows than for 3 on the CPU this project benchmarks on (for every
+#: shape of the bundled model; docs/speculative.md, "Decode kernels"), so 2-row calls get a zero third row
+_ONEDNN_PAD_ROWS = {2: 3}
 
 
 def onednn_available() -> bool:
@@ -60,5 +63,8 @@ def run(kernel: str, x: torch.Tensor, copy: torch.Tensor | None, bias: torch.Ten
     if kernel == "transposed":
         return torch.mm(x, copy) if bias is None else torch.addmm(bias, x, copy)
     if kernel == "onednn":
-        return torch.ops.mkldnn._linear_pointwise(x, copy, bias, "none", [], "")
+        rows = x.shape[0]
+        if rows in _ONEDNN_PAD_ROWS:  # [R, I] -> [R', I] with zero rows; the output's extra rows are dropped
+            x = torch.nn.functional.pad(x, (0, 0, 0, _ONEDNN_PAD_ROWS[rows] - rows))
+        return torch.ops.mkldnn._linear_pointwise(x, copy, bias, "none", [], "")[:rows]
     return F.linear(x, weight, bias)

@@ -38,6 +38,7 @@ BUCKETS = ((1, 1), (2, 4), (5, 8), (9, 16), (17, 32), (33, 64))
 #: a non-stock kernel must take at most this fraction of stock's time to be chosen (copies cost memory)
 MARGIN = 0.97
 ROUNDS = 2  # timed sweeps per kernel (after one warm-up sweep); the fastest counts
+MIN_TIMED_CALLS = 8  # a shape with few layers (an LM head) gets more sweeps, so each kernel is timed this often
 
 PLANS: dict[tuple, dict[int, str]] = {}  # shape key -> {bucket index: chosen kernel}
 SECONDS: dict[tuple, dict[int, dict[str, float]]] = {}  # shape key -> {bucket: {kernel: fastest sweep seconds}}
@@ -64,9 +65,10 @@ def calibrate(key: tuple, bucket: int, layers: Sequence[nn.Linear], candidates: 
 
 
 def _sweeps(kernels: Sequence[str], layers: Sequence[nn.Linear], x: torch.Tensor, run: Runner, clock) -> dict:
-    """{kernel: fastest of ``ROUNDS`` timed sweeps over ``layers`` on input ``x`` [R, I]}, after a warm-up sweep."""
+    """{kernel: fastest of the timed sweeps over ``layers`` on input ``x`` [R, I]}, after a warm-up sweep:
+    ``ROUNDS`` sweeps, or enough that every kernel is timed on ``MIN_TIMED_CALLS`` calls."""
     best = dict.fromkeys(kernels, float("inf"))
-    for sweep in range(ROUNDS + 1):
+    for sweep in range(max(ROUNDS, -(-MIN_TIMED_CALLS // len(layers))) + 1):
         for kernel in kernels if sweep % 2 else reversed(kernels):  # alternate the order: no kernel always first
             start = clock()
             for module in layers:
