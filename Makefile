@@ -30,7 +30,7 @@ setup-bench: setup
 	$(PIP) install --quiet -e ".[test,bench,dev]"
 
 demo: setup
-	$(VENV)/bin/hf-kvspec generate "$(PROMPT)" --max-new-tokens 96 --assistant eagle --num-draft-tokens auto --draft-vocab-size 4096 --compare-plain
+	$(VENV)/bin/hf-kvspec generate "$(PROMPT)" --max-new-tokens 96 --assistant eagle --compare-plain
 
 test: setup
 	@$(PY) -m pytest $(PYTEST_ARGS); rc=$$?; \

@@ -135,10 +135,10 @@ def _add_generate(subparsers) -> None:
                         f"{ASSISTANT_HELP}")
     p.add_argument("--num-draft-tokens", type=_draft_tokens, default=None,
                    help="with --assistant: draft tokens per round (K; tree nodes for medusa/eagle), or 'auto' "
-                        "(default 4; medusa/eagle: the tree's size)")
+                        "(default 4; medusa/eagle: auto)")
     p.add_argument("--tree", default=None, choices=TREES,
                    help="with --assistant medusa|eagle: static tree (default, small), chain, or EAGLE-2 dynamic "
-                        "(default: medusa default, eagle dynamic)")
+                        "(default: medusa small, eagle dynamic)")
     p.add_argument("--draft-vocab-size", type=_vocab_size, default=None,
                    help="with --assistant medusa|eagle: draft only the N most frequent tokens (FR-Spec; exact), or "
                         "'full'; default: the heads' shipped draft vocabulary (4096 tokens)")

@@ -18,8 +18,8 @@ directory is expanded.
 The trained heads shipped for the bundled model are built by ``make_head_assistant`` (the CLI's ``--assistant
 medusa|eagle``), with their own options (tree, draft vocabulary) checked by ``check_head_options``:
 
-    medusa                  MedusaAssistant(load_bundled_heads("medusa"), tree="default")
-    eagle                   EagleAssistant(load_bundled_heads("eagle"), tree="dynamic")
+    medusa                  MedusaAssistant(load_bundled_heads("medusa"))   (small tree, auto size, draft vocab)
+    eagle                   EagleAssistant(load_bundled_heads("eagle"))     (dynamic tree, auto size, draft vocab)
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def check_head_options(kind: str, tree: str | None = None, draft_vocab_size: int
     shipped draft vocabulary, ``draft_vocab.SHIPPED_SIZE`` ids)."""
     if kind not in HEAD_ASSISTANTS:
         raise ValueError(f"bundled heads are {' or '.join(HEAD_ASSISTANTS)}, got {kind!r}")
-    tree = tree or ("default" if kind == "medusa" else "dynamic")
+    tree = tree or ("small" if kind == "medusa" else "dynamic")
     if tree not in TREES:
         raise ValueError(f"tree must be one of {', '.join(TREES)}, got {tree!r}")
     if tree == "dynamic" and kind == "medusa":
@@ -62,7 +62,8 @@ def make_head_assistant(kind: str, target, tree: str | None = None, num_draft_to
     heads = load_bundled_heads(kind, dtype=target.dtype)
     assistant = MedusaAssistant if kind == "medusa" else EagleAssistant
     vocab = {None: "shipped", "full": None}.get(draft_vocab_size, draft_vocab_size)
-    return assistant(heads, tree=tree, num_draft_tokens=num_draft_tokens, draft_vocab_size=vocab)
+    size = {} if num_draft_tokens is None else {"num_draft_tokens": num_draft_tokens}  # None: the default, auto
+    return assistant(heads, tree=tree, draft_vocab_size=vocab, **size)
 
 
 def check_spec(spec: str) -> tuple[str, int | Path | None]:

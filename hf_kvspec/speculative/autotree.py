@@ -13,7 +13,8 @@ so it falls back to plain decoding when no tree pays, and re-probes the smallest
 
 Estimates (exponentially decayed, so they follow the text):
     a_j(shape)   accepted / offered at depth j for that shape, with a Beta(1, 1) prior, plus an optimism bonus
-                 ``explore / sqrt(offered + 2)`` (UCB: a shape that was unlucky once is tried again); at a depth a shape has not
+                 ``explore / sqrt(offered + 2)`` with ``offered`` counted without decay (UCB: a shape that was unlucky once is
+                 tried again, and the bonus fades for good); at a depth a shape has not
                  been measured at, interpolated (linear in log nodes) between the measured shapes around it, or the
                  nearest one outside them; depths nobody reached repeat the deepest rate measured (optimistic: the
                  shape gets tried, then measured).
@@ -81,13 +82,16 @@ class _Rate:
     def __init__(self):
         self.offered: list[float] = []
         self.accepted: list[float] = []
+        self.seen: list[int] = []  # undecayed offered counts: the optimism bonus fades with all the evidence
 
     def add(self, depth: int, offered: int, accepted: int, decay: float) -> None:
         while len(self.offered) < depth:
             self.offered.append(0.0)
             self.accepted.append(0.0)
+            self.seen.append(0)
         self.offered[depth - 1] = decay * self.offered[depth - 1] + offered
         self.accepted[depth - 1] = decay * self.accepted[depth - 1] + accepted
+        self.seen[depth - 1] += offered
 
     def measured(self, depth: int) -> bool:
         return depth <= len(self.offered) and self.offered[depth - 1] > 0
@@ -95,7 +99,9 @@ class _Rate:
     def rate(self, depth: int, explore: float) -> float:
         offered = self.offered[depth - 1] + 2
         mean = (self.accepted[depth - 1] + 1) / offered  # Beta(1, 1) prior
-        return min(1.0, mean + explore / math.sqrt(offered))  # optimism that fades with evidence (UCB)
+        # optimism that fades with evidence (UCB); counted without decay, or a drafter that is never right would
+        # keep a bonus worth a draft's cost forever (decayed counts level off near 1 / (1 - decay) rounds)
+        return min(1.0, mean + explore / math.sqrt(self.seen[depth - 1] + 2))
 
 
 class AutoTreeSize:

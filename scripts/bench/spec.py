@@ -120,6 +120,15 @@ def add_arguments(parser) -> None:
     parser.add_argument("--exit-layer", type=int, default=None, help="with --assistant early_exit: E (default L // 2)")
     parser.add_argument("--tree-methods", default="", help="with --assistant: comma list (see bench/spec_trees.py)")
     parser.add_argument("--num-prompts", type=int, default=35, help="with --assistant: held-out prompts (evenly spread)")
+    parser.add_argument("--defaults", action="store_true",
+                        help="every assistant with its defaults vs plain generate with and without the decode kernels, "
+                             "and the c_v table (bench/spec_defaults.py; writes spec.defaults)")
+    parser.add_argument("--prompt-sets", default="chat,code,summarize", help="with --defaults: chat,code,summarize")
+    parser.add_argument("--default-methods", default="eagle,medusa,early_exit+adapter,ngram,ngram-auto",
+                        help="with --defaults: assistants to run")
+    parser.add_argument("--batch", type=int, default=1, help="with --defaults: also a greedy row at this batch size")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="with --defaults: also sampled rows at this temperature")
 
 
 # ---------------------------------------------------------------------------------------------- drafts
@@ -269,6 +278,10 @@ def _median_sample(samples: list[dict]) -> dict:
 def run(args) -> None:
     if args.combine:
         return combine()
+    if args.defaults:
+        from bench import spec_defaults
+
+        return spec_defaults.run(args)
     if args.assistant in ("early_exit", "layer_skip"):
         from bench import selfspec
 

@@ -33,7 +33,7 @@ def test_bad_head_options_stop_before_the_model_loads(monkeypatch, capsys, argv,
 
 
 def test_head_options_defaults():
-    assert check_head_options("medusa") == "default" and check_head_options("eagle") == "dynamic"
+    assert check_head_options("medusa") == "small" and check_head_options("eagle") == "dynamic"
     assert check_head_options("eagle", "small", 4096) == "small"
     with pytest.raises(ValueError, match="bundled heads"):
         check_head_options("ngram")

@@ -67,6 +67,8 @@ class OracleMedusa(MedusaAssistant):
     """Medusa whose head k ranks the target's token k + 1 ahead at ``ranks[k]`` (other ranks: wrong tokens)."""
 
     def __init__(self, heads, reference, ranks, **kwargs):
+        kwargs.setdefault("tree", "default")
+        kwargs.setdefault("num_draft_tokens", None)  # the whole tree every round (the default, auto, may go plain)
         super().__init__(heads, **kwargs)
         self.reference, self.ranks, self.history = reference, ranks, None
 
@@ -105,6 +107,7 @@ class OracleEagle(EagleAssistant):
     token is the target's at its depth (``second=False``: the target's token first)."""
 
     def __init__(self, head, reference, second=True, **kwargs):
+        kwargs.setdefault("num_draft_tokens", None)  # the whole tree every round (the default, auto, may go plain)
         super().__init__(head, **kwargs)
         self.head = _RecordingHead(self.head)
         self.reference, self.second, self.history = reference, second, None

@@ -39,8 +39,8 @@ class EagleAssistant(Drafter):
     ``tree="dynamic"``: EAGLE-2, per-row trees of ``total_tokens`` nodes grown ``depth`` levels deep with ``top_k``
     children per expanded node; ``"chain"``: ``depth`` tokens; a choice list: a static tree whose node
     ``(r_1, .., r_d)`` takes the drafter's rank-``r_d`` token after its parent's path. ``num_draft_tokens`` caps
-    the nodes (``None`` = the tree's size; ``"auto"`` = node count and depth chosen each round from measured
-    acceptance and verify cost, ``autotree.AutoTreeSize``). Near ``max_new_tokens`` the loop caps the depth, not
+    the nodes (``None`` = the tree's size; ``"auto"``, the default = node count and depth chosen each round from
+    measured acceptance and verify cost, ``autotree.AutoTreeSize``, plain decoding when no tree pays). Near ``max_new_tokens`` the loop caps the depth, not
     the width. Defaults are sized for CPU verification, where every extra verified node costs (EAGLE-2's GPU
     defaults are 60 nodes, depth 7, top-k 10).
     ``draft_vocab_size``: the drafter scores only the most frequent target tokens (FR-Spec, ``draft_vocab.py``),
@@ -58,7 +58,7 @@ class EagleAssistant(Drafter):
     proposes_trees = True  # the loop checks up front that the target's attention takes a 4D tree mask
 
     def __init__(self, drafter_head, tree: str | Sequence[Sequence[int]] = "dynamic", depth: int = 5,
-                 top_k: int = 4, total_tokens: int = 24, num_draft_tokens: int | str | None = None,
+                 top_k: int = 4, total_tokens: int = 24, num_draft_tokens: int | str | None = "auto",
                  draft_vocab_size: int | str | None = "shipped", draft_vocab=None):
         if min(depth, top_k, total_tokens) < 1:
             raise ValueError(f"depth, top_k and total_tokens must be >= 1, got {depth}, {top_k}, {total_tokens}.")

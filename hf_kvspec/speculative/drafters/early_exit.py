@@ -50,7 +50,7 @@ class EarlyExitAssistant(Drafter):
     shares_target_cache = True
     can_drop_rows = True  # no per-row state survives a round
 
-    def __init__(self, exit_layer: int | None, num_draft_tokens: int | str = 4, adapter=None,
+    def __init__(self, exit_layer: int | None, num_draft_tokens: int | str = "auto", adapter=None,
                  max_draft_tokens: int = 16, draft_vocab_size: int | str | None = "shipped", draft_vocab=None):
         super().__init__(num_draft_tokens, max_draft_tokens)
         exit_layer = _adapter_exit_layer(exit_layer, adapter)

@@ -29,9 +29,9 @@ ACCEPTANCE_RULES = ("exact", "typical")
 
 
 class MedusaAssistant(Drafter):
-    """``MedusaAssistant(heads, tree="default", acceptance="exact")``: Medusa-1 heads drafting a static tree.
+    """``MedusaAssistant(heads, tree="small", acceptance="exact")``: Medusa-1 heads drafting a static tree.
 
-    ``tree``: ``"default"`` (26 nodes), ``"small"`` (8), ``"chain"`` (one node per head) or a choice list
+    ``tree``: ``"small"`` (8 nodes, the default: on a CPU every verified node costs), ``"default"`` (26), ``"chain"`` (one node per head) or a choice list
     (``[(0,), (1,), (0, 0), ...]``, see ``hf_kvspec.speculative.tree``). ``num_draft_tokens`` caps the nodes
     (the tree's first nodes, which form a tree); ``None`` = the whole tree; ``"auto"`` = a truncation chosen each
     round from measured acceptance and verify cost (``autotree.AutoTreeSize``). Near ``max_new_tokens`` the loop
@@ -50,8 +50,8 @@ class MedusaAssistant(Drafter):
     proposes_trees = True  # the loop checks up front that the target's attention takes a 4D tree mask
     feature_layers = (-1,)  # the target's final (normalised) hidden state
 
-    def __init__(self, heads, tree: str | Sequence[Sequence[int]] = "default", acceptance: str = "exact",
-                 num_draft_tokens: int | str | None = None, posterior_threshold: float = 0.09,
+    def __init__(self, heads, tree: str | Sequence[Sequence[int]] = "small", acceptance: str = "exact",
+                 num_draft_tokens: int | str | None = "auto", posterior_threshold: float = 0.09,
                  posterior_alpha: float = 0.3, draft_vocab_size: int | str | None = "shipped",
                  draft_vocab=None):
         self.tree = static_tree(tree, heads.config.num_heads)

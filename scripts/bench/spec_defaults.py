@@ -1,0 +1,248 @@
+"""Each assistant as a new user builds it (its defaults) against plain ``generate``, with and without the decode
+kernels, plus the verify-cost table c_v(T) stock vs ours. Writes ``spec.defaults.{json,md}``.
+
+    python scripts/benchmark.py spec --defaults [--num-prompts 35] [--repeats 3] [--new-tokens 64]
+
+Rows (bs=1 unless ``--batch``): ``plain`` = stock ``generate`` (the baseline of every ratio); ``plain+kernels`` =
+``generate`` inside ``hf_kvspec.DecodeKernels(model)`` (so the gain of speculation is told apart from the gain of
+the kernel: ``vs_plain_kernels``); one row per assistant built with its defaults, run through
+``speculative_generate`` as shipped (decode kernels on). Methods rotate per prompt and repeat (interleaved), each
+timed whole (``generate`` call, tokens emitted until EOS or the limit); speed = total tokens / total seconds.
+``bound`` = tau / (c_v(N + 1) + draft) from this run's c_v(T) table (ours) and the loop's draft time, with N the
+mean nodes per round. The load average is recorded before and after.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from transformers import DynamicCache
+
+import hf_kvspec
+from bench.harness import Report
+
+PROMPT_FILES = {"chat": "scripts/train_configs/chat_prompts_heldout.jsonl"}
+COLUMNS = ["prompts", "method", "batch", "temperature", "tokens", "tok_per_s", "vs_plain", "vs_plain_kernels", "tau",
+           "nodes", "c_v", "draft_steps", "bound", "fallback_rounds", "identical"]
+CV_TOKENS = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64)
+_CODE = '''def mean(values):
+    total = 0
+    for v in values:
+        total = total + v
+    return total / len(values)
+
+
+def median(values):
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    return ordered[middle]
+'''
+#: code-edit prompts: the answer repeats most of the code it is given (where n-gram lookup drafts well)
+CODE_PROMPTS = [f"Add type hints to these Python functions and return the full code.\n\n{_CODE}",
+                f"Rename the parameter `values` to `data` in this code and return the full code.\n\n{_CODE}",
+                f"Add a one-line docstring to each function and return the full code.\n\n{_CODE}"]
+
+
+def assistants(model) -> dict:
+    """Each assistant with its defaults (fresh per call: nothing learned carries over between prompts)."""
+    from hf_kvspec.heads.bundled import load_bundled_heads
+
+    heads = {kind: load_bundled_heads(kind) for kind in ("eagle", "medusa", "early_exit")}
+    return {
+        "eagle": lambda: hf_kvspec.EagleAssistant(heads["eagle"]),
+        "medusa": lambda: hf_kvspec.MedusaAssistant(heads["medusa"]),
+        "early_exit+adapter": lambda: hf_kvspec.EarlyExitAssistant(None, adapter=heads["early_exit"]),
+        "ngram": lambda: hf_kvspec.NgramAssistant(),
+        "ngram-auto": lambda: hf_kvspec.NgramAssistant(num_draft_tokens="auto"),
+    }
+
+
+def load_prompts(kind: str, count: int) -> list[str]:
+    if kind == "chat":
+        rows = [json.loads(line) for line in Path(PROMPT_FILES["chat"]).read_text().splitlines() if line.strip()]
+        prompts = [row["prompt"] for row in rows]
+    elif kind == "code":
+        from bench.spec import PROMPTS
+
+        prompts = [*CODE_PROMPTS, PROMPTS["code"]]
+    elif kind == "summarize":
+        from bench.spec import BATCH_SUMMARIES  # the spec benchmark's summarization prompts
+
+        prompts = list(BATCH_SUMMARIES)
+    else:
+        raise ValueError(f"prompt sets are chat, code, summarize; got {kind!r}")
+    step = max(len(prompts) // count, 1)
+    return prompts[::step][:count]
+
+
+def _inputs(tokenizer, prompts: list[str]) -> dict:
+    texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                           tokenize=False) for p in prompts]
+    tokenizer.padding_side = "left"
+    return tokenizer(texts, return_tensors="pt", padding=True)
+
+
+def _call(method: str, model, inputs: dict, settings: dict, build: dict):
+    if method == "plain":
+        return model.generate(**inputs, **settings, return_dict_in_generate=True), None
+    if method == "plain+kernels":
+        with hf_kvspec.DecodeKernels(model, plans_file=_plans_file()):
+            return model.generate(**inputs, **settings, return_dict_in_generate=True), None
+    out = model.generate(**inputs, **settings, custom_generate=hf_kvspec.speculative_generate,
+                         assistant=build[method](), return_dict_in_generate=True)
+    return out, out.acceptance
+
+
+def _plans_file():
+    from hf_kvspec.kernels.linear import default_plans_file
+
+    return default_plans_file()
+
+
+def _new_tokens(sequences: torch.Tensor, prompt_len: int, eos_id: int) -> int:
+    total = 0
+    for row in sequences[:, prompt_len:].tolist():
+        total += row.index(eos_id) + 1 if eos_id in row else len(row)
+    return total
+
+
+def cost_table(model, context: int = 200, repeats: int = 7) -> dict:
+    """{T: (stock, ours)} forward time over T new tokens / stock 1-token step, warm cache of ``context``."""
+    ids = torch.randint(100, 20000, (1, context))
+    kernels = hf_kvspec.DecodeKernels(model, plans_file=_plans_file())
+    times = {t: {"stock": [], "ours": []} for t in CV_TOKENS}
+    with torch.inference_mode():
+        cache = DynamicCache(config=model.config)
+        model(ids, cache=cache)
+        with kernels:  # calibrate every bucket before timing
+            for t in CV_TOKENS:
+                model(torch.randint(100, 20000, (1, t)), cache=cache)
+                cache.crop(-t)
+        for _ in range(repeats):
+            for t in CV_TOKENS:
+                for name in ("stock", "ours"):
+                    x = torch.randint(100, 20000, (1, t))
+                    with kernels if name == "ours" else contextlib.nullcontext():
+                        start = time.perf_counter()
+                        model(x, cache=cache)
+                        times[t][name].append(time.perf_counter() - start)
+                    cache.crop(-t)
+    step = statistics.median(times[1]["stock"])
+    return {"step_s": step, "c_v": {t: {k: statistics.median(v) / step for k, v in d.items()} for t, d in times.items()},
+            "kernels": kernels.report()}
+
+
+def _interp(table: dict, tokens: float) -> float:
+    keys = sorted(table)
+    if tokens <= keys[0]:
+        return table[keys[0]]
+    for low, high in itertools.pairwise(keys):
+        if tokens <= high:
+            share = (tokens - low) / (high - low)
+            return (1 - share) * table[low] + share * table[high]
+    return table[keys[-1]]
+
+
+def run(args) -> None:
+    model, tokenizer = hf_kvspec.load_bundled_model()
+    eos_id = model.generation_config.eos_token_id
+    eos_id = eos_id[0] if isinstance(eos_id, list) else eos_id
+    load_before = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    costs = cost_table(model)
+    ours_cv = {t: v["ours"] for t, v in costs["c_v"].items()}
+    report = Report("spec.defaults" + (f".{args.part}" if args.part else ""), "Assistants with their defaults vs plain generate (bundled SmolLM2-135M, CPU)",
+                    COLUMNS, settings={"threads": torch.get_num_threads(), "new_tokens": args.new_tokens,
+                                       "repeats": args.repeats, "prompts_per_set": args.num_prompts,
+                                       "model": "smollm2-135m-instruct fp32"})
+    build = assistants(model)
+    methods = ["plain", "plain+kernels", *[m for m in build if m in args.default_methods.split(",")]]
+    for kind in args.prompt_sets.split(","):
+        prompts = load_prompts(kind, args.num_prompts)
+        for batch, temperature in _cases(args):
+            _bench_case(report, model, tokenizer, eos_id, build, methods, kind, prompts, batch, temperature,
+                        args, costs, ours_cv)
+    report.notes += [
+        f"One stock 1-token forward (warm 200-token cache): {costs['step_s'] * 1e3:.1f} ms. c_v(T) = forward over T "
+        "new tokens / that step: " + ", ".join(f"T={t}: stock {v['stock']:.2f}, ours {v['ours']:.2f}"
+                                                  for t, v in costs["c_v"].items()) + ".",
+        f"Decode kernels: {costs['kernels']['bytes_held'] / 2**20:.0f} MiB of weight copies held; kernel per shape "
+        f"and row bucket: {json.dumps(next(iter(costs['kernels']['plans'].values()), {}))}.",
+        f"Load average (1, 5, 15 min) before: {load_before}; after: "
+        + " ".join(f"{x:.2f}" for x in os.getloadavg()) + ".",
+        "vs_plain = speed / stock plain generate; vs_plain_kernels = speed / plain generate inside DecodeKernels; "
+        "nodes = mean drafts verified per round; c_v = c_v(nodes + 1) (ours); draft_steps = draft seconds per round "
+        "/ one stock step; bound = tau / (c_v + draft_steps); fallback_rounds = share of rounds that drafted nothing "
+        "(auto chose plain decoding); identical = output equal to plain greedy on every prompt (greedy rows).",
+    ]
+    report.write()
+
+
+def _cases(args) -> list[tuple[int, float]]:
+    cases = [(1, 0.0)]
+    if args.temperature:
+        cases.append((1, args.temperature))
+    if args.batch > 1:
+        cases.append((args.batch, 0.0))
+    return cases
+
+
+def _bench_case(report, model, tokenizer, eos_id, build, methods, kind, prompts, batch, temperature, args, costs,
+                ours_cv) -> None:
+    settings = {"max_new_tokens": args.new_tokens, "pad_token_id": eos_id}
+    settings |= {"do_sample": True, "temperature": temperature} if temperature else {"do_sample": False}
+    groups = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
+    totals = {m: {"s": 0.0, "tokens": 0, "stats": [], "same": True} for m in methods}
+    reference = {}
+    with torch.inference_mode():
+        _call("plain+kernels", model, _inputs(tokenizer, ["Hi"]), {"max_new_tokens": 4}, build)  # warm
+        for repeat in range(args.repeats):
+            for index, group in enumerate(groups):
+                inputs = _inputs(tokenizer, group)
+                rotated = methods[(index + repeat) % len(methods):] + methods[:(index + repeat) % len(methods)]
+                for method in rotated:
+                    torch.manual_seed(repeat)
+                    start = time.perf_counter()
+                    out, stats = _call(method, model, inputs, settings, build)
+                    seconds = time.perf_counter() - start
+                    entry = totals[method]
+                    entry["s"] += seconds
+                    entry["tokens"] += _new_tokens(out.sequences, inputs["input_ids"].shape[1], eos_id)
+                    if stats is not None:
+                        entry["stats"].append(stats)
+                    key = (repeat, index)
+                    if method == "plain":
+                        reference[key] = out.sequences
+                    elif not temperature and key in reference:
+                        entry["same"] &= torch.equal(out.sequences, reference[key])
+    _add_rows(report, totals, kind, batch, temperature, costs, ours_cv, len(prompts))
+
+
+def _add_rows(report, totals, kind, batch, temperature, costs, ours_cv, count) -> None:
+    speed = {m: t["tokens"] / t["s"] for m, t in totals.items()}
+    for method, entry in totals.items():
+        row = {"prompts": f"{kind} x{count}", "method": method, "batch": batch, "temperature": temperature,
+               "tokens": entry["tokens"], "tok_per_s": round(speed[method], 2),
+               "vs_plain": round(speed[method] / speed["plain"], 3),
+               "vs_plain_kernels": round(speed[method] / speed["plain+kernels"], 3)}
+        if entry["stats"]:
+            merged = hf_kvspec.AcceptanceStats()
+            for stats in entry["stats"]:
+                merged.merge(stats)
+            lengths = [n for s in entry["stats"] for n in s.draft_lengths]
+            nodes = statistics.mean(lengths) if lengths else 0.0
+            cv = _interp(ours_cv, nodes + 1)
+            draft = merged.draft_time_s / max(merged.rounds, 1) / costs["step_s"]
+            tau = merged.tokens_per_target_forward
+            bs1 = batch == 1  # the c_v table is for one row; a batch's bound would need its own
+            row |= {"tau": round(tau, 2), "nodes": round(nodes, 2), "c_v": round(cv, 2) if bs1 else "-",
+                    "draft_steps": round(draft, 2), "bound": round(tau / (cv + draft), 2) if bs1 else "-",
+                    "fallback_rounds": round(merged.fallback_rounds / max(merged.rounds, 1), 2),
+                    "identical": "-" if temperature else entry["same"]}
+        report.add(**row)
