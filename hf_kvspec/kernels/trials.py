@@ -27,8 +27,8 @@ import json
 import platform
 import time
 import weakref
-from pathlib import Path
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import torch
 from torch import nn
