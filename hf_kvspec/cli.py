@@ -229,6 +229,7 @@ def _run_generate(args) -> None:
     sampling = {"do_sample": True, "temperature": args.temperature} if args.temperature > 0 else {"do_sample": False}
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
     speculative = _speculative_kwargs(args, model)
+    _calibrate_kernels(model, speculative)
     plain = None
     if args.compare_plain:  # first, so both runs find the model warm
         print("plain decoding (reference, not shown) ...", flush=True)
@@ -241,6 +242,20 @@ def _run_generate(args) -> None:
     if plain is not None:
         _print_comparison(args.assistant, out, elapsed, *plain, inputs["input_ids"].shape[1],
                           greedy=not sampling["do_sample"])
+
+
+def _calibrate_kernels(model, speculative: dict) -> None:
+    """Time the decode kernels for this machine before anything is timed (once: the choices are stored)."""
+    from hf_kvspec.speculative.loop import kernels_apply
+
+    if not speculative or speculative["decode_kernels"] is False or not kernels_apply(model):
+        return
+    from hf_kvspec.kernels.linear import DecodeKernels, default_plans_file
+
+    with DecodeKernels(model, plans_file=default_plans_file(), route_on_enter=False) as kernels:
+        seconds = kernels.calibrate(max_rows=32)
+    if seconds > 0:
+        print(f"calibrated the decode kernels for this machine in {seconds:.1f} s (stored; done once)", flush=True)
 
 
 def _timed(model, inputs, cache, max_new_tokens, sampling, speculative, streamer=None):

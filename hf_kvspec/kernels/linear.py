@@ -214,6 +214,22 @@ class DecodeKernels:
         self.resolved[id(module), rows] = settled
         return settled
 
+    def calibrate(self, max_rows: int | None = None) -> float:
+        """Settle every row bucket up to ``max_rows`` (default the context's) for every layer shape now, instead of
+        on first use (the plan file first: nothing is timed for what it holds); returns the seconds spent timing.
+        For programs that time their own runs (the CLI's ``--compare-plain``, a server at start-up)."""
+        if self._depth == 0:
+            raise RuntimeError("DecodeKernels.calibrate() needs the context open: `with kernels: kernels.calibrate()`")
+        before = self.calibration_s
+        limit = self.max_rows if max_rows is None else min(max_rows, self.max_rows)
+        shapes = {shape_key(m, self.groups[id(m)]): m for m in self.modules}
+        with torch.no_grad():
+            for module in shapes.values():
+                for low, _ in BUCKETS:
+                    if low <= limit:
+                        self.settle(module, low)
+        return self.calibration_s - before
+
     def _calibrate(self, key: tuple, bucket: int) -> str:
         """The plan file's choice for this bucket, or time the kernels on every layer of shape ``key``
         (``trials.calibrate``). Copies of the kernels no bucket chose are dropped when the context closes (a

@@ -279,10 +279,11 @@ class SpeculativeDecoder:
         return int((self.stopper.max_length - self.history.lengths[self.alive]).max())
 
     def _routing(self, plan):
-        """The decode kernels' routing around a verify forward that carries drafts (several rows per sequence,
-        where a weight read once pays); plain steps and the prompt's prefill run stock."""
-        drafts = plan.proposal.tokens.shape[1] > 0
-        return self.kernels.routing() if self.kernels is not None and drafts else contextlib.nullcontext()
+        """The decode kernels' routing around a verify forward of several rows (drafts, or more than one live
+        sequence), where a weight read once pays; a one-row plain step runs stock (routing costs about what it
+        would save there)."""
+        rows = (plan.proposal.tokens.shape[1] + 1) * int(self.alive.sum())
+        return self.kernels.routing() if self.kernels is not None and rows > 1 else contextlib.nullcontext()
 
     def _verify_forward(self, plan):
         """One target forward over the columns the cache lacks and the drafts (inputs from ``plan``); returns the

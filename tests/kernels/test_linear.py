@@ -548,3 +548,15 @@ def test_an_unreadable_plan_file_means_calibrating_and_an_unwritable_one_a_warni
             DecodeKernels(net, plans_file=plans_file) as ctx:
         net(torch.randn(3, 256))
     assert ctx.calibration_s > 0
+
+
+def test_calibrate_settles_every_bucket_up_front(monkeypatch):
+    monkeypatch.setattr(trials, "PLANS", {})
+    net = _net()
+    kernels = DecodeKernels(net)
+    with pytest.raises(RuntimeError, match="context open"):
+        kernels.calibrate()
+    with torch.no_grad(), kernels:
+        assert kernels.calibrate(max_rows=16) > 0
+        assert set(_plan(net, "1000x320+bias")) == {"1", "2-4", "5-8", "9-16"}
+        assert kernels.calibrate(max_rows=16) == 0  # nothing left to time
