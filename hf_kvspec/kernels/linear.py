@@ -13,8 +13,8 @@ Why: decoding runs linear layers on 1 row (plain decode, draft forwards) or on a
 speculative verify forward: ``K + 1`` rows per sequence). torch's stock ``F.linear`` on CPU (MKL sgemm) repacks
 the weight on every call for few rows, so a verify forward can cost about twice a 1-row forward, which eats the
 gain of speculation; a weight packed once ahead is read once per call at any row count. Which kernel wins
-depends on the CPU, the shape and the row count, so nothing is hard-coded: the choice is timed on the first real
-calls (``trials.py``). Per-shape figures on the machine this project benchmarks on: docs/speculative.md,
+depends on the CPU, the shape and the row count, so nothing is hard-coded: the first call of a shape in a row
+bucket calibrates it (``trials.py``; or a plan file remembers the choice). Per-shape figures on the machine this project benchmarks on: docs/speculative.md,
 "Decode kernels (CPU)".
 
 Eligible: exactly ``nn.Linear`` (not subclasses such as quantized linears), fp32 weight on CPU, no instance-level
@@ -87,8 +87,9 @@ class DecodeKernels:
         plans_file: a JSON file of kernel choices (``trials.load_plans``): buckets found there are not
             calibrated again, and new choices are added to it when the context closes. None: this process only.
 
-    Contexts may be nested, overlap on the same model (the innermost open one decides) and an instance may be
-    re-entered; each swap is undone when the last context using the module closes.
+    Contexts may be nested, overlap on the same model (the innermost open one that holds a layer decides), close
+    out of order, and an instance may be re-entered; routing is per thread and stops when no open context (or
+    ``routing()`` block) asks for it.
     """
 
     def __init__(self, *models: nn.Module, max_rows: int = 64, memory_fraction: float = 0.25,
@@ -316,7 +317,7 @@ _LINEAR = F.linear
 
 
 class _Router(TorchFunctionMode):
-    """One per thread while any context is open there: sends each ``F.linear`` call to the innermost open context
+    """One per thread while routing is on there: sends each ``F.linear`` call to the innermost open context
     that holds its layer; every other torch function, and a linear call no context holds, runs unchanged. Inside
     the handler this mode is off, so the kernels' own torch calls (and stock ``F.linear``) run plain."""
 

@@ -53,7 +53,22 @@ def is_count(value, minimum: int) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
 
 
-class AutoDraftLength:
+class CallScoped:
+    """Estimates that span ``generate`` calls: ``start_call`` keeps them for another call with as many rows
+    (verify cost grows with the rows; acceptance is decayed as it goes) and ``reset``s them otherwise."""
+
+    batch: int | None = None  # rows of the calls the estimates were made in
+
+    def start_call(self, batch: int) -> None:
+        if batch != self.batch:
+            self.batch = batch
+            self.reset()
+
+    def reset(self) -> None:
+        raise NotImplementedError
+
+
+class AutoDraftLength(CallScoped):
     def __init__(self, max_draft_tokens: int = 16, initial: int = 4, probe_every: int = 16, decay: float = 0.95,
                  prior_slope_ratio: float = 0.15):
         _check_settings(max_draft_tokens, initial, probe_every, decay, prior_slope_ratio)
@@ -62,15 +77,7 @@ class AutoDraftLength:
         self.probe_every = probe_every
         self.decay = decay
         self.prior_slope_ratio = prior_slope_ratio
-        self.batch = None
         self.reset()
-
-    def start_call(self, batch: int) -> None:
-        """A new ``generate`` call over ``batch`` rows: the estimates carry over from earlier calls with as many
-        rows (verify cost grows with the rows, acceptance is decayed as it goes), else they start afresh."""
-        if batch != self.batch:
-            self.batch = batch
-            self.reset()
 
     def reset(self) -> None:
         self.accepted = 1.0  # prior: a = 0.5 worth one observation each way

@@ -31,6 +31,7 @@ import math
 from collections.abc import Sequence
 from typing import NamedTuple
 
+from hf_kvspec.speculative.autok import CallScoped
 from hf_kvspec.speculative.tree import StaticTree
 
 
@@ -104,7 +105,7 @@ class _Rate:
         return min(1.0, mean + explore / math.sqrt(self.seen[depth - 1] + 2))
 
 
-class AutoTreeSize:
+class AutoTreeSize(CallScoped):
     """``choose()`` -> node count of the next round (``shape`` holds its depth); ``update(outcome)`` after it.
 
     Same interface as ``autok.AutoDraftLength`` (``reset``/``choose``/``update``), so a drafter's ``draft_length``
@@ -117,15 +118,7 @@ class AutoTreeSize:
         self.initial = initial if initial is not None else self.menu[-1]
         self.probe_every, self.decay, self.prior_slope_ratio = probe_every, decay, prior_slope_ratio
         self.explore = explore
-        self.batch = None
         self.reset()
-
-    def start_call(self, batch: int) -> None:
-        """A new ``generate`` call over ``batch`` rows: the estimates carry over from earlier calls with as many
-        rows (verify cost grows with the rows, acceptance is decayed as it goes), else they start afresh."""
-        if batch != self.batch:
-            self.batch = batch
-            self.reset()
 
     def reset(self) -> None:
         self.rates: dict[Shape, _Rate] = {}

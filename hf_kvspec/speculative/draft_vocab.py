@@ -96,20 +96,22 @@ class DraftVocabulary:
     @classmethod
     def for_head(cls, head, size: int, ranking: torch.Tensor | str | Path | None = None) -> DraftVocabulary:
         """The ``size`` first ids of ``ranking`` (a tensor, a file, or ``None``: the head directory's
-        ``RANKING_FILE``, shipped with the bundled heads)."""
+        ``RANKING_FILE``, shipped with the bundled heads). ``head`` may be None when ``ranking`` is given (no
+        vocabulary to check the ids against)."""
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
             raise ValueError(f"draft_vocab_size must be a positive int, got {size!r}.")
         if ranking is None:
-            ranking = Path(str(getattr(head, "name_or_path", "") or "")) / RANKING_FILE
-            if not ranking.is_file():
+            ranking = _shipped_ranking(head)
+            if ranking is None:
+                where = _ranking_path(head) or f"<head directory>/{RANKING_FILE}"
                 raise FileNotFoundError(
-                    f"draft_vocab_size needs a token ranking; none at {ranking}. Compute one with "
-                    f"`python -m hf_kvspec.speculative.draft_vocab --out {ranking}` or pass draft_vocab=<ids tensor>.")
+                    f"draft_vocab_size needs a token ranking; none at {where}. Compute one with "
+                    f"`python -m hf_kvspec.speculative.draft_vocab --out {where}` or pass draft_vocab=<ids tensor>.")
         ids = ranking if isinstance(ranking, torch.Tensor) else load_ranking(ranking)
-        vocab = head.config.base_vocab_size
         if size > ids.numel():
             raise ValueError(f"draft_vocab_size={size} exceeds the {ids.numel()} ranked ids available.")
-        if int(ids[:size].max()) >= vocab:
+        vocab = None if head is None else head.config.base_vocab_size
+        if vocab is not None and int(ids[:size].max()) >= vocab:
             raise ValueError(f"the token ranking holds ids >= the head's vocabulary ({vocab}): another tokenizer?")
         return cls(ids[:size])
 
@@ -131,13 +133,9 @@ class DraftVocabulary:
         beside ``head`` (or of ``ranking``) when there is one and the head has no trained draft vocabulary of its
         own, else the full vocabulary."""
         if size == "shipped":
-            if getattr(head, "has_draft_vocab", False):
+            ranking = ranking if ranking is not None else _shipped_ranking(head)
+            if ranking is None or getattr(head, "has_draft_vocab", False):
                 return None
-            if ranking is None:
-                path = Path(str(getattr(head, "name_or_path", "") or "")) / RANKING_FILE
-                if not path.is_file():
-                    return None
-                ranking = path
             ids = ranking if isinstance(ranking, torch.Tensor) else load_ranking(ranking)
             return cls.for_head(head, min(SHIPPED_SIZE, ids.numel()), ids)
         return None if size is None else cls.for_head(head, size, ranking)
@@ -157,6 +155,17 @@ class DraftVocabulary:
         out = scores.new_full((*scores.shape[:-1], weight.shape[0]), float("-inf"))
         out[..., self.token_ids.to(scores.device)] = scores
         return out
+
+
+def _ranking_path(head) -> Path | None:
+    """Where a head's shipped ranking would be: ``RANKING_FILE`` in its directory (None without a directory)."""
+    directory = str(getattr(head, "name_or_path", "") or "")
+    return Path(directory) / RANKING_FILE if directory else None
+
+
+def _shipped_ranking(head) -> Path | None:
+    path = _ranking_path(head)
+    return path if path is not None and path.is_file() else None
 
 
 # ---------------------------------------------------------------------------------------------- script entry

@@ -8,14 +8,14 @@ Rows (bs=1 unless ``--batch``): ``plain`` = stock ``generate`` (the baseline of 
 the kernel: ``vs_plain_kernels``); one row per assistant built with its defaults, run through
 ``speculative_generate`` as shipped (decode kernels on). Methods rotate per prompt and repeat (interleaved), each
 timed whole (``generate`` call, tokens emitted until EOS or the limit); speed = total tokens / total seconds.
-``bound`` = tau / (c_v(N + 1) + draft) from this run's c_v(T) table (ours) and the loop's draft time, with N the
-mean nodes per round. The load average is recorded before and after.
+``bound`` = tau / (c_v(N + 1) + draft) from this run's c_v(T) table (ours) and the loop's draft time
+(``spec_bounds.speedup_bound``: c_v averaged over the rounds' node counts; for B rows c_v(B (N + 1)) / c_v(B)).
+The load average is recorded before and after.
 """
 
 from __future__ import annotations
 
 import contextlib
-import itertools
 import json
 import os
 import statistics
@@ -27,6 +27,8 @@ from transformers import DynamicCache
 
 import hf_kvspec
 from bench.harness import Report
+from bench.spec import BATCH_SUMMARIES, PROMPTS, _chat_inputs, _new_tokens
+from bench.spec_bounds import speedup_bound
 
 PROMPT_FILES = {"chat": "scripts/train_configs/chat_prompts_heldout.jsonl"}
 COLUMNS = ["prompts", "method", "batch", "temperature", "tokens", "tok_per_s", "vs_plain", "vs_plain_kernels", "tau",
@@ -69,24 +71,13 @@ def load_prompts(kind: str, count: int) -> list[str]:
         rows = [json.loads(line) for line in Path(PROMPT_FILES["chat"]).read_text().splitlines() if line.strip()]
         prompts = [row["prompt"] for row in rows]
     elif kind == "code":
-        from bench.spec import PROMPTS
-
         prompts = [*CODE_PROMPTS, PROMPTS["code"]]
     elif kind == "summarize":
-        from bench.spec import BATCH_SUMMARIES  # the spec benchmark's summarization prompts
-
-        prompts = list(BATCH_SUMMARIES)
+        prompts = list(BATCH_SUMMARIES)  # the spec benchmark's summarization prompts
     else:
         raise ValueError(f"prompt sets are chat, code, summarize; got {kind!r}")
     step = max(len(prompts) // count, 1)
     return prompts[::step][:count]
-
-
-def _inputs(tokenizer, prompts: list[str]) -> dict:
-    texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
-                                           tokenize=False) for p in prompts]
-    tokenizer.padding_side = "left"
-    return tokenizer(texts, return_tensors="pt", padding=True)
 
 
 def _call(method: str, model, inputs: dict, settings: dict, build: dict):
@@ -104,13 +95,6 @@ def _plans_file():
     from hf_kvspec.kernels.linear import default_plans_file
 
     return default_plans_file()
-
-
-def _new_tokens(sequences: torch.Tensor, prompt_len: int, eos_id: int) -> int:
-    total = 0
-    for row in sequences[:, prompt_len:].tolist():
-        total += row.index(eos_id) + 1 if eos_id in row else len(row)
-    return total
 
 
 def cost_table(model, context: int = 200, repeats: int = 7) -> dict:
@@ -137,17 +121,6 @@ def cost_table(model, context: int = 200, repeats: int = 7) -> dict:
     step = statistics.median(times[1]["stock"])
     return {"step_s": step, "c_v": {t: {k: statistics.median(v) / step for k, v in d.items()} for t, d in times.items()},
             "kernels": kernels.report()}
-
-
-def _interp(table: dict, tokens: float) -> float:
-    keys = sorted(table)
-    if tokens <= keys[0]:
-        return table[keys[0]]
-    for low, high in itertools.pairwise(keys):
-        if tokens <= high:
-            share = (tokens - low) / (high - low)
-            return (1 - share) * table[low] + share * table[high]
-    return table[keys[-1]]
 
 
 def run(args) -> None:
@@ -177,8 +150,8 @@ def run(args) -> None:
         f"Load average (1, 5, 15 min) before: {load_before}; after: "
         + " ".join(f"{x:.2f}" for x in os.getloadavg()) + ".",
         "vs_plain = speed / stock plain generate; vs_plain_kernels = speed / plain generate inside DecodeKernels; "
-        "nodes = mean drafts verified per round; c_v = c_v(nodes + 1) (ours); draft_steps = draft seconds per round "
-        "/ one stock step; bound = tau / (c_v + draft_steps); fallback_rounds = share of rounds that drafted nothing "
+        "nodes = mean drafts verified per round; c_v = mean c_v(N + 1) over the rounds (ours; bs B: "
+        "c_v(B (N + 1)) / c_v(B)); draft_steps = draft seconds per round / one step; bound = tau / (c_v + draft_steps); fallback_rounds = share of rounds that drafted nothing "
         "(auto chose plain decoding); identical = output equal to plain greedy on every prompt (greedy rows).",
     ]
     report.write()
@@ -201,10 +174,10 @@ def _bench_case(report, model, tokenizer, eos_id, build, methods, kind, prompts,
     totals = {m: {"s": 0.0, "tokens": 0, "stats": [], "same": True} for m in methods}
     reference = {}
     with torch.inference_mode():
-        _call("plain+kernels", model, _inputs(tokenizer, ["Hi"]), {"max_new_tokens": 4}, build)  # warm
+        _call("plain+kernels", model, _chat_inputs(tokenizer, ["Hi"]), {"max_new_tokens": 4}, build)  # warm
         for repeat in range(args.repeats):
             for index, group in enumerate(groups):
-                inputs = _inputs(tokenizer, group)
+                inputs = _chat_inputs(tokenizer, group)
                 rotated = methods[(index + repeat) % len(methods):] + methods[:(index + repeat) % len(methods)]
                 for method in rotated:
                     torch.manual_seed(repeat)
@@ -235,14 +208,12 @@ def _add_rows(report, totals, kind, batch, temperature, costs, ours_cv, count) -
             merged = hf_kvspec.AcceptanceStats()
             for stats in entry["stats"]:
                 merged.merge(stats)
-            lengths = [n for s in entry["stats"] for n in s.draft_lengths]
-            nodes = statistics.mean(lengths) if lengths else 0.0
-            cv = _interp(ours_cv, nodes + 1)
-            draft = merged.draft_time_s / max(merged.rounds, 1) / costs["step_s"]
+            lengths = [n for s in entry["stats"] for n in s.draft_lengths] or [0]
             tau = merged.tokens_per_target_forward
-            bs1 = batch == 1  # the c_v table is for one row; a batch's bound would need its own
-            row |= {"tau": round(tau, 2), "nodes": round(nodes, 2), "c_v": round(cv, 2) if bs1 else "-",
-                    "draft_steps": round(draft, 2), "bound": round(tau / (cv + draft), 2) if bs1 else "-",
+            bound, cv, draft = speedup_bound(tau, lengths, merged.draft_time_s / max(merged.rounds, 1),
+                                             costs["step_s"], ours_cv, batch)
+            row |= {"tau": round(tau, 2), "nodes": round(statistics.mean(lengths), 2), "c_v": round(cv, 2),
+                    "draft_steps": round(draft, 2), "bound": round(bound, 2),
                     "fallback_rounds": round(merged.fallback_rounds / max(merged.rounds, 1), 2),
                     "identical": "-" if temperature else entry["same"]}
         report.add(**row)

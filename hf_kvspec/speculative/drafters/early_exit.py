@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 
 from hf_kvspec.cache.contract import crop_layers
-from hf_kvspec.speculative.draft_vocab import SHIPPED_SIZE, DraftVocabulary, load_ranking
+from hf_kvspec.speculative.draft_vocab import DraftVocabulary
 from hf_kvspec.speculative.drafters.base import ChainDraft, DraftContext, Drafter, DraftProposal
 from hf_kvspec.speculative.partial_forward import PartialForward
 
@@ -144,17 +144,12 @@ class EarlyExitAssistant(Drafter):
 
 
 def _exit_vocabulary(adapter, size: int | str | None, ranking) -> DraftVocabulary | None:
-    """The draft vocabulary of an exit: the adapter's shipped ranking (``DraftVocabulary.resolve``), or without an
-    adapter the ``ranking`` passed (no ranking: the full vocabulary, or an error when a size was asked for)."""
-    if adapter is not None:
-        return DraftVocabulary.resolve(adapter, size, ranking)
-    if ranking is None:
-        if size not in (None, "shipped"):
-            raise ValueError(f"draft_vocab_size={size} needs a token ranking: pass draft_vocab=<ids tensor or file> "
-                             "(e.g. a head directory's token_ranking.safetensors) or a trained adapter that ships one.")
-        return None
-    ids = ranking if isinstance(ranking, torch.Tensor) else load_ranking(ranking)
-    return None if size is None else DraftVocabulary(ids[:SHIPPED_SIZE if size == "shipped" else size])
+    """The draft vocabulary of an exit (``DraftVocabulary.resolve``): the adapter's shipped ranking or ``ranking``;
+    without either, the full vocabulary, or an error when a size was asked for."""
+    if adapter is None and ranking is None and size not in (None, "shipped"):
+        raise ValueError(f"draft_vocab_size={size} needs a token ranking: pass draft_vocab=<ids tensor or file> "
+                         "(e.g. a head directory's token_ranking.safetensors) or a trained adapter that ships one.")
+    return DraftVocabulary.resolve(adapter, size, ranking)
 
 
 def _adapter_exit_layer(exit_layer: int | None, adapter) -> int | None:
