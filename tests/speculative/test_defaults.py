@@ -88,3 +88,16 @@ def test_auto_stays_on_with_a_drafter_that_is_always_right_and_goes_plain_with_o
     assert PLAIN not in always  # never falls back when every draft is accepted
     never = _simulate(AutoTreeSize(menu), lambda s, d: 0.0, _cpu_verify, 0.0005, rows=1)
     assert never.count(PLAIN) >= 0.9 * len(never)  # plain steps, with a rare re-probe
+
+
+def test_auto_estimates_carry_over_to_a_call_with_as_many_rows_and_restart_for_another_batch():
+    menu = [PLAIN, Shape(1, 1), Shape(4, 2)]
+    auto = AutoTreeSize(menu)
+    auto.start_call(1)
+    _simulate(auto, lambda s, d: 0.5, _cpu_verify, 0.0005, rounds=20, rows=1)
+    measured = dict(auto.verify)
+    assert measured
+    auto.start_call(1)  # the next generate call, one row again: what was measured stays
+    assert auto.verify == measured
+    auto.start_call(4)  # four rows: verify costs differ, start afresh
+    assert auto.verify == {} and auto.rates == {}
