@@ -48,10 +48,11 @@ _EXPORTS: dict[str, str] = {
     "release_decode_kernels": "hf_kvspec.kernels.linear",
     # speculative decoding
     "speculative_generate": "hf_kvspec.speculative.loop",
-    "SpeculativeGenerateOutput": "hf_kvspec.speculative.loop",
+    "SpeculativeGenerateOutput": "hf_kvspec.speculative.output",
     "enable": "hf_kvspec.speculative.enable",
     "disable": "hf_kvspec.speculative.enable",
-    "Drafter": "hf_kvspec.speculative.drafters.base",
+    "Assistant": "hf_kvspec.speculative.drafters.base",
+    "Drafter": "hf_kvspec.speculative.drafters.base",  # deprecated name of Assistant
     "DraftContext": "hf_kvspec.speculative.drafters.base",
     "DraftProposal": "hf_kvspec.speculative.drafters.base",
     "RoundOutcome": "hf_kvspec.speculative.drafters.base",

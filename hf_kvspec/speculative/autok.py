@@ -118,16 +118,13 @@ class AutoDraftLength(CallScoped):
     def update(self, outcome) -> None:
         """Fold in a ``RoundOutcome`` (num_draft_tokens, num_accepted [B] of the ``alive`` rows, seconds)."""
         k = outcome.num_draft_tokens
-        timed = outcome.prompt_tokens == 0  # a round that also prefilled the prompt says nothing about cost(K)
-        if timed:
-            self.verify_time.add(k, outcome.verify_time_s)
+        self.verify_time.add(k, outcome.verify_time_s)
         if k == 0:
             return
         accepted = outcome.num_accepted[outcome.alive].tolist()
         self.accepted = self.decay * self.accepted + sum(accepted)
         self.rejected = self.decay * self.rejected + sum(n < k for n in accepted)
-        if timed:
-            self.draft_time.add(k, outcome.draft_time_s)
+        self.draft_time.add(k, outcome.draft_time_s)
 
 
 def _check_settings(max_draft_tokens, initial, probe_every, decay, prior_slope_ratio) -> None:

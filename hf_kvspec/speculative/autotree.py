@@ -202,12 +202,11 @@ class AutoTreeSize(CallScoped):
         """Fold in a ``RoundOutcome`` of the shape last chosen (rounds whose tree the loop cut near max_length count
         for the verify cost only)."""
         nodes = outcome.num_draft_tokens
-        if outcome.prompt_tokens == 0:  # a round that also fed the prompt says nothing about cost(N)
-            weight, seconds = self.verify.get(nodes, [0.0, 0.0])
-            self.verify[nodes] = [self.decay * weight + 1, self.decay * seconds + outcome.verify_time_s]
-            if nodes and self.shape.depth:
-                self.draft = [self.decay * self.draft[0] + self.shape.depth,
-                              self.decay * self.draft[1] + outcome.draft_time_s]
+        weight, seconds = self.verify.get(nodes, [0.0, 0.0])
+        self.verify[nodes] = [self.decay * weight + 1, self.decay * seconds + outcome.verify_time_s]
+        if nodes and self.shape.depth:
+            self.draft = [self.decay * self.draft[0] + self.shape.depth,
+                          self.decay * self.draft[1] + outcome.draft_time_s]
         if nodes == 0 or nodes != self.shape.nodes:
             return
         accepted = outcome.num_accepted[outcome.alive].tolist()

@@ -64,6 +64,26 @@ class History:
         out.prompt_len, out.pad_token_id = self.prompt_len, self.pad_token_id
         return out
 
+    def merged(self, rows: History, index: torch.Tensor) -> History:
+        """A copy of this history whose rows ``index`` [A] are replaced by ``rows`` (an ``[A, *]`` history, e.g. a
+        node's path appended to the active rows); the other rows are kept as stand-ins."""
+        width = max(self.ids.shape[1], rows.ids.shape[1])
+        out = History.__new__(History)
+        out.ids = self.ids.new_full((self.ids.shape[0], width), self.pad_token_id)
+        out.ids[:, : self.ids.shape[1]] = self.ids
+        out.ids[index, : rows.ids.shape[1]] = rows.ids
+        out.lengths = self.lengths.clone()
+        out.lengths[index] = rows.lengths
+        out.prompt_len, out.pad_token_id = self.prompt_len, self.pad_token_id
+        return out
+
+    def along(self, path: torch.Tensor, depth: torch.Tensor) -> History:
+        """A history whose row b is this row b followed by ``path[b, :depth[b]]`` (``path`` [B, D], ``depth`` [B])."""
+        ids = self.extended(path)  # [B, max_len + D]
+        out = History(ids, ids.shape[1], self.pad_token_id)
+        out.lengths = self.lengths + depth
+        return out
+
     def sequences(self) -> torch.Tensor:
         """``[B, max_len]`` the output of ``generate``: rows that stopped early are padded on the right."""
         return self.ids[:, : int(self.lengths.max())]

@@ -10,11 +10,11 @@ Glossary (on top of ``verify.py``'s):
                 target's distribution after it.
     node n      draft token n; ``parents[n]`` is its parent node, ``-1`` the root. Score row ``n + 1``.
     path of n   the nodes from the root's child down to n, n included; ``depth[n]`` is its length (1-based).
-    ancestors   ``[B, N, N]`` bool, ``ancestors[b, n, m]``: node m is on node n's path (n itself included).
-    kept columns ``[B, 1 + k]`` which columns of the verified segment (0 = root, ``1 + n`` = node n) survive.
+    ancestors   ``[A, N, N]`` bool, ``ancestors[b, n, m]``: node m is on node n's path (n itself included).
+    kept columns ``[A, 1 + k]`` which columns of the verified segment (0 = root, ``1 + n`` = node n) survive.
 
-A chain is the tree ``parents = [-1, 0, 1, ...]``; it keeps today's fast path: one ``logits_to_keep`` forward with
-the buffer's 2D mask (the first round also feeds the prompt), one processor call for all positions, ``crop(-k)``.
+A chain is the tree ``parents = [-1, 0, 1, ...]``; it keeps the fast path: one forward over the root and the
+drafts with the buffer's 2D mask, one processor call for all positions, ``crop(-k)``.
 
 A tree is verified by one forward over the root plus the N nodes, flattened in node order, with an explicit 4D mask
 and positions (root position + depth); afterwards only each row's accepted path survives in the cache
@@ -32,8 +32,10 @@ Row ``b``'s 2D prefix mask (left padding and the holes of earlier rounds) masks 
 Logits processors see, at node n, exactly the ``input_ids`` plain ``generate`` would pass after emitting n's path:
 the row's history followed by the path's tokens (``path_scores``).
 
-Shapes: ``B`` rows of the call, ``A`` active rows (``rows.py``), ``N`` nodes, ``D`` deepest path, ``S`` cached
-columns, ``W`` buffer width, ``V`` vocabulary, ``H`` hidden size.
+Every tensor here holds the active rows only (``rows.py``): the loop never hands a round the call's other rows.
+
+Shapes: ``A`` active rows, ``N`` nodes, ``D`` deepest path, ``S`` cached columns, ``W`` buffer width, ``V``
+vocabulary, ``H`` hidden size.
 """
 
 from __future__ import annotations
@@ -48,8 +50,8 @@ from hf_kvspec.speculative.positions import History, PositionwiseProcessor
 from hf_kvspec.speculative.tree import CandidateTree, keep_indices, tree_depth
 from hf_kvspec.speculative.verify import VerifyResult, greedy_verify, is_chain, rejection_verify
 
-#: a drafter's own acceptance rule under sampling: ``(draft_tokens [B, N], target_probs [B, N + 1, V], parents
-#: [N] | [B, N] | None, generator) -> VerifyResult`` (``MedusaAssistant.verify`` for typical acceptance)
+#: a drafter's own acceptance rule under sampling: ``(draft_tokens [A, N], target_probs [A, N + 1, V], parents
+#: [N] | [A, N] | None, generator) -> VerifyResult`` (``MedusaAssistant.verify`` for typical acceptance)
 AcceptanceRule = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None", "torch.Generator | None"], VerifyResult]
 
 # Attention implementations that take a custom 4D mask as transformers passes it (as-is, additive float):
@@ -76,9 +78,9 @@ def is_tree(proposal: DraftProposal) -> bool:
 
 
 def cap_depth(proposal: DraftProposal, max_depth: int) -> DraftProposal:
-    """``proposal`` [B, N] with no path deeper than ``max_depth`` drafts: unchanged when it fits, else its first
+    """``proposal`` [A, N] with no path deeper than ``max_depth`` drafts: unchanged when it fits, else its first
     ``max_depth`` nodes (a prefix of a topological node list is a tree, at most as deep as it is long). Drafters
-    that read ``RoundContext.max_depth`` fit already; this guards the others against overshooting max_length."""
+    that read ``DraftContext.max_depth`` fit already; this guards the others against overshooting max_length."""
     count = proposal.tokens.shape[1]
     if count <= max_depth:
         return proposal
@@ -91,12 +93,12 @@ def cap_depth(proposal: DraftProposal, max_depth: int) -> DraftProposal:
 
 
 def plan_round(proposal: DraftProposal) -> ChainRound | TreeRound:
-    """The round for ``proposal`` (full batch, ``[B, N]``): a ``TreeRound`` unless it is a chain."""
+    """The round for ``proposal`` (``[A, N]``): a ``TreeRound`` unless it is a chain."""
     return TreeRound(proposal) if is_tree(proposal) else ChainRound(proposal)
 
 
 class ChainRound:
-    """N drafts in a line: the forward feeds the columns the cache lacks plus the drafts under the buffer's mask."""
+    """N drafts in a line: the forward feeds the root and the drafts under the buffer's mask."""
 
     is_tree = False
 
@@ -105,19 +107,15 @@ class ChainRound:
         self.num_draft = proposal.tokens.shape[1]
         self.depth = self.num_draft  # deepest path (telemetry counts acceptance per depth)
 
-    def forward_inputs(self, buffer, fed: int, rows, cache, dtype) -> dict:
-        """Model kwargs (active rows) over buffer columns ``fed..W-1`` (the root, or the prompt + root in a first
-        round) and the drafts; logits of the root and the drafts are kept."""
+    def forward_inputs(self, buffer, cache, dtype) -> dict:
+        """Model kwargs over the root (the buffer's last column) and the drafts; all their logits are kept."""
         count = self.num_draft + 1
-        drafts = rows.take(self.proposal.tokens)  # [A, N]
-        positions = buffer.next_positions(count)  # [A, N + 1]
-        if fed < buffer.width - 1:  # prompt columns not in the cache yet
-            positions = torch.cat([buffer.positions[:, fed:-1], positions], dim=1)
-        return dict(input_ids=torch.cat([buffer.tokens[:, fed:], drafts], dim=1),
-                    attention_mask=buffer.attention_mask(count), position_ids=positions, logits_to_keep=count)
+        return dict(input_ids=torch.cat([buffer.tokens[:, -1:], self.proposal.tokens], dim=1),  # [A, N + 1]
+                    attention_mask=buffer.attention_mask(count), position_ids=buffer.next_positions(count),
+                    logits_to_keep=count)
 
     def scores(self, processor: PositionwiseProcessor, history: History, logits: torch.Tensor) -> torch.Tensor:
-        # logits [B, N + 1, V] -> processed float32 scores; position t follows the first t drafts
+        # logits [A, N + 1, V] -> processed float32 scores; position t follows the first t drafts
         return processor(history, self.proposal.tokens, logits)
 
     def verify(self, scores: torch.Tensor, do_sample: bool, rule: AcceptanceRule | None = None) -> VerifyResult:
@@ -136,23 +134,19 @@ class ChainRound:
 
 
 class TreeRound:
-    """N drafts in a tree (``parents`` [N] shared by all rows, or [B, N] per row): see the module docstring."""
+    """N drafts in a tree (``parents`` [N] shared by all rows, or [A, N] per row): see the module docstring."""
 
     is_tree = True
 
     def __init__(self, proposal: DraftProposal):
         self.proposal = proposal
         self.num_draft = proposal.tokens.shape[1]
-        self.tree = CandidateTree.build(proposal.tokens, proposal.parents)  # [B, N] tokens, parents, depth
+        self.tree = CandidateTree.build(proposal.tokens, proposal.parents)  # [A, N] tokens, parents, depth
         self.depth = self.tree.max_depth  # deepest path (telemetry counts acceptance per depth)
 
-    def forward_inputs(self, buffer, fed: int, rows, cache, dtype) -> dict:
-        """Model kwargs (active rows) over the root and the nodes; the cache must hold the ``W - 1`` other
-        columns (the loop feeds a first round's prompt on its own before a tree)."""
-        if fed != buffer.width - 1:
-            raise RuntimeError(f"a tree forward needs the buffer's first {buffer.width - 1} columns in the cache, "
-                               f"it holds {fed}: feed the prompt first")
-        tree = self.tree if rows.complete else self.tree.select_rows(rows.index)  # [A, N]
+    def forward_inputs(self, buffer, cache, dtype) -> dict:
+        """Model kwargs over the root and the nodes (the cache holds the buffer's other ``W - 1`` columns)."""
+        tree = self.tree
         count = self.num_draft + 1
         mask = tree.attention_mask(buffer.mask[:, :-1], dtype)  # [A, 1, N + 1, W + N]
         if cache is not None:  # a static cache's keys are longer than what is written: mask its free slots
@@ -184,8 +178,8 @@ def _verify(proposal: DraftProposal, parents, scores: torch.Tensor, do_sample: b
     (exact), or a drafter's own ``rule`` (a lossy one such as Medusa's typical acceptance, asked for by name)."""
     if not do_sample:
         return greedy_verify(proposal.tokens, scores.argmax(dim=-1), parents)
-    target_probs = torch.softmax(scores, dim=-1)  # [B, N + 1, V]
-    if rule is not None:
+    target_probs = torch.softmax(scores, dim=-1)  # [A, N + 1, V]
+    if rule is not None and proposal.tokens.shape[1]:  # no drafts: a plain sample from the target, any rule
         return rule(proposal.tokens, target_probs, parents, None)
     return rejection_verify(proposal.tokens, target_probs, proposal.probs, parents)
 
@@ -200,16 +194,16 @@ def _pad_keys(mask: torch.Tensor, kv_length: int) -> torch.Tensor:
 
 
 def path_tokens(tree: CandidateTree, pad_token_id: int) -> torch.Tensor:
-    """``[B, N, D]`` the tokens of each node's path, root side first (``pad_token_id`` past the node's depth)."""
-    paths = tree.paths()  # [B, N, D] node ids, -1 padded
-    flat = paths.clamp_min(0).flatten(1)  # [B, N * D]
+    """``[A, N, D]`` the tokens of each node's path, root side first (``pad_token_id`` past the node's depth)."""
+    paths = tree.paths()  # [A, N, D] node ids, -1 padded
+    flat = paths.clamp_min(0).flatten(1)  # [A, N * D]
     tokens = tree.tokens.gather(1, flat).view(paths.shape)
     return torch.where(paths >= 0, tokens, pad_token_id)
 
 
 def path_scores(processor: PositionwiseProcessor, history: History, tree: CandidateTree,
                 logits: torch.Tensor) -> torch.Tensor:
-    """Processed float32 scores ``[B, 1 + N, V]`` of ``logits`` [B, 1 + N, V]: row 0 after each row's history,
+    """Processed float32 scores ``[A, 1 + N, V]`` of ``logits`` [A, 1 + N, V]: row 0 after each row's history,
     row ``n + 1`` after the history followed by node n's path (what plain ``generate`` would pass there).
 
     The reference is one processor call per node with the history extended by that node's path; when every
@@ -224,16 +218,8 @@ def path_scores_per_node(processor: PositionwiseProcessor, history: History, tre
                          logits: torch.Tensor) -> torch.Tensor:
     """``path_scores`` one node at a time, each node's path appended to the history (the reference)."""
     none = tree.tokens[:, :0]
-    paths = path_tokens(tree, history.pad_token_id)  # [B, N, D]
+    paths = path_tokens(tree, history.pad_token_id)  # [A, N, D]
     columns = [processor(history, none, logits[:, :1])]
     for n in range(tree.num_nodes):
-        columns.append(processor(_along(history, paths[:, n], tree.depth[:, n]), none, logits[:, n + 1: n + 2]))
+        columns.append(processor(history.along(paths[:, n], tree.depth[:, n]), none, logits[:, n + 1: n + 2]))
     return torch.cat(columns, dim=1)
-
-
-def _along(history: History, path: torch.Tensor, depth: torch.Tensor) -> History:
-    # a History whose row b is history row b followed by path[b, :depth[b]] (path [B, D], depth [B])
-    ids = history.extended(path)  # [B, max_len + D]
-    out = History(ids, ids.shape[1], history.pad_token_id)
-    out.lengths = history.lengths + depth
-    return out

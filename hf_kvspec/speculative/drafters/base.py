@@ -1,6 +1,6 @@
 """The drafter protocol: what the speculative loop asks of every assistant, and what it tells it back.
 
-Boundary: data classes exchanged between the loop and a drafter, plus the ``Drafter`` base class. A drafter
+Boundary: data classes exchanged between the loop and a drafter, plus the ``Assistant`` base class. A drafter
 owns its own state (a draft model's cache, an n-gram index, a head's features) and rolls it back itself; it
 never touches the target's cache, except a self-drafter (``shares_target_cache``, below).
 
@@ -41,7 +41,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from hf_kvspec.speculative.autok import AutoDraftLength, is_count
-from hf_kvspec.speculative.stats import AcceptanceStats
 
 if TYPE_CHECKING:
     from hf_kvspec.speculative.buffer import TokenBuffer
@@ -59,9 +58,11 @@ class DraftContext:
     alive: torch.Tensor  # [B] bool rows still generating
     processor: PositionwiseProcessor  # generate's logits processors, position by position
     # the target's own cache, for a drafter with ``shares_target_cache`` (None for every other drafter); between
-    # rounds each layer holds the buffer's first W - 1 columns, or fewer in a first round that has not fed the
-    # prompt yet (then ``contract.seq_lengths`` says how many)
+    # rounds every layer holds the buffer's first W - 1 columns (the prompt was prefilled before the first round)
     target_cache: object | None = None
+    # the deepest path worth drafting this round: ``max_depth`` drafts and the next token fill the tokens left to
+    # generate (tree drafters keep their width near the end; the loop cuts deeper proposals). None = no limit
+    max_depth: int | None = None
 
     def process(self, logits: torch.Tensor, drafted: torch.Tensor, start: int = 0) -> torch.Tensor:
         """Processed float32 scores [B, T, V] of draft ``logits`` [B, T, V]: position t follows each row's
@@ -119,7 +120,7 @@ class RoundOutcome:
 
     kept_width: int  # columns of the buffer that remain valid in every cache (the target now holds this many)
     num_accepted: torch.Tensor  # [B] draft tokens each row kept
-    alive: torch.Tensor  # [B] bool rows that were generating in this round
+    alive: torch.Tensor  # [B] bool rows that were generating in this round (rows that finished earlier may stay)
     num_draft_tokens: int  # N that was verified
     draft_time_s: float
     verify_time_s: float
@@ -127,50 +128,57 @@ class RoundOutcome:
     # [B, 1 + max(num_accepted), H] along each row's accepted path, root first. Either way row i's newest feature,
     # the one that produced its next token, is ``target_hidden[i, num_accepted[i]]``
     target_hidden: torch.Tensor | None = None
-    prompt_tokens: int = 0  # prompt columns this round's verify forward also fed (first round): times are not costs
     # [B, D] node index of each accepted draft token along row i's path, -1 past num_accepted[i] (for a chain
     # 0, 1, ...); a tree drafter keeps the same nodes of its own state
     accepted_nodes: torch.Tensor | None = None
 
 
-class Drafter(abc.ABC):
-    """Base class of every assistant passed as ``generate(..., assistant=...)``.
+class Assistant(abc.ABC):
+    """Base class of every assistant passed as ``generate(..., assistant=...)``: the protocol the loop reads.
 
-    Subclasses implement ``propose``; they override ``begin``/``observe``/``end`` when they keep state.
-    ``num_draft_tokens`` is an int or ``"auto"`` (see ``autok.AutoDraftLength``).
+    Every capability and option the loop reads is declared here, typed, with its default; the loop reads nothing
+    else. Subclasses implement ``propose``; they override ``begin``/``observe``/``end`` when they keep state.
+    ``num_draft_tokens`` is an int or ``"auto"`` (see ``autok.AutoDraftLength``). Telemetry goes back to the caller
+    through the loop's return value (``output.acceptance``), never through attributes of the assistant.
     """
 
-    #: the loop asks the target for hidden states and passes them in ``DraftContext``/``RoundOutcome``
+    #: the loop captures the target's features (the outputs of ``feature_layers``, concatenated) in the prefill and
+    #: in every verify forward, and passes them to ``begin`` and in ``RoundOutcome.target_hidden``
     wants_hidden_states: bool = False
+    #: target layers whose outputs make the features (``-1`` = the last decoder layer), when ``wants_hidden_states``
+    feature_layers: tuple[int, ...] = (-1,)
     #: ``select_rows`` re-indexes every per-row state, so finished rows may leave the batch (``rows.py``);
     #: a drafter that keeps per-row state and does not implement it must leave this False
     can_drop_rows: bool = False
     #: ``propose`` may return trees: the loop checks at the start of the call that the target's attention takes a
-    #: custom 4D mask (a tree proposed without this flag is checked when it arrives)
+    #: custom 4D mask and that the cache keeps a tree's path (a tree proposed without this flag is checked when it
+    #: arrives)
     proposes_trees: bool = False
     #: self-speculation: the loop passes the target's cache as ``DraftContext.target_cache`` (module docstring)
     shares_target_cache: bool = False
-    #: optional hook ``verify_forward(model, inputs, cache, feature_layers) -> (logits, features | None)`` that runs
-    #: the round's verify forward instead of the loop (module docstring); None = the loop calls the model
-    verify_forward = None
+    #: the loop calls ``verify_forward`` for the round's verify forward instead of calling the model itself
+    runs_verify_forward: bool = False
+    #: acceptance under sampling: ``"exact"`` (speculative sampling, the loop's) or the name of the assistant's own
+    #: rule, which the loop then applies through ``verify`` and records as ``lossy_rule`` in ``output.acceptance``
+    acceptance: str = "exact"
+    #: the name recorded for a lossy ``acceptance`` (None: a generic name is recorded)
+    lossy_rule: str | None = None
 
     def __init__(self, num_draft_tokens: int | str = 4, max_draft_tokens: int = 16):
         if num_draft_tokens != "auto" and not is_count(num_draft_tokens, minimum=0):
             raise ValueError(f"num_draft_tokens must be a non-negative int or 'auto', got {num_draft_tokens!r}")
         if not is_count(max_draft_tokens, minimum=1):  # checked without "auto" too
             raise ValueError(f"max_draft_tokens must be a positive int, got {max_draft_tokens!r}")
-        self.num_draft_tokens = num_draft_tokens
-        self.max_draft_tokens = max_draft_tokens  # most nodes a proposal holds (sizes the caches' checks)
+        self.num_draft_tokens: int | str = num_draft_tokens
+        self.max_draft_tokens: int = max_draft_tokens  # most nodes a proposal holds (sizes the caches' checks)
         self.auto = AutoDraftLength(max_draft_tokens=max_draft_tokens) if num_draft_tokens == "auto" else None
-        self.stats = AcceptanceStats()
 
     def begin(self, target, buffer: TokenBuffer, target_hidden: torch.Tensor | None = None) -> None:
-        """Called once per ``generate`` call, before the first round; resets per-call state (an ``"auto"`` draft length
-        keeps what it measured in earlier calls with as many rows: costs and acceptance carry over). The buffer holds the
-        prompt; when ``wants_hidden_states`` the target has already run a prefill forward (``target_hidden``
-        [B, P, H]) and the buffer also holds its first token, otherwise the first round's verify forward feeds
-        the prompt too (no separate prefill)."""
-        self.stats = AcceptanceStats()
+        """Called once per ``generate`` call, after the prefill and before the first round; resets per-call state (an
+        ``"auto"`` draft length keeps what it measured in earlier calls with as many rows: costs and acceptance carry
+        over). The target's cache holds the prompt; the buffer holds the prompt and the first token (its last
+        column). ``target_hidden`` [B, P', F] are the prefill's features when ``wants_hidden_states`` (``P'`` prompt
+        columns the prefill fed: fewer than the prompt when a caller's cache held the rest)."""
         if self.auto is not None:
             self.auto.start_call(buffer.tokens.shape[0])
 
@@ -192,6 +200,17 @@ class Drafter(abc.ABC):
         state (a draft cache: ``cache.batch_select_indices(index)``). Later contexts and outcomes have ``A`` rows.
         Called only when ``can_drop_rows`` is True."""
 
+    def verify_forward(self, model, inputs: dict, cache, feature_layers: tuple[int, ...] | None):
+        """The round's verify forward, when ``runs_verify_forward`` (module docstring): ``(logits [B, T, V],
+        features [B, T, F] | None)`` for the loop's ``inputs``."""
+        raise NotImplementedError(f"{type(self).__name__} sets runs_verify_forward but does not define verify_forward")
+
+    def verify(self, draft_tokens: torch.Tensor, target_probs: torch.Tensor, parents: torch.Tensor | None,
+               generator: torch.Generator | None = None):
+        """The assistant's own acceptance rule under sampling (``acceptance != "exact"``): ``draft_tokens`` [B, N],
+        ``target_probs`` [B, N + 1, V], ``parents`` [N] | [B, N] | None -> ``verify.VerifyResult``."""
+        raise NotImplementedError(f"{type(self).__name__}(acceptance={self.acceptance!r}) defines no verify rule")
+
     def kernel_modules(self) -> tuple:
         """Models this drafter runs whose small-row linear calls may use the loop's decode kernels
         (``hf_kvspec.kernels.linear``); none by default."""
@@ -199,3 +218,12 @@ class Drafter(abc.ABC):
 
     def end(self) -> None:  # noqa: B027 - optional hook, stateless drafters keep the no-op
         """Called once when the ``generate`` call finishes: drop per-call state (caches)."""
+
+
+def __getattr__(name: str):
+    if name == "Drafter":  # the base's name before it took the word the API uses (generate(assistant=...))
+        import warnings
+
+        warnings.warn("hf_kvspec Drafter is now Assistant; the old name will be removed", FutureWarning, stacklevel=2)
+        return Assistant
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -24,11 +24,11 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
-from hf_kvspec.speculative.drafters.base import ChainDraft, DraftContext, Drafter, DraftProposal, RoundOutcome
+from hf_kvspec.speculative.drafters.base import Assistant, ChainDraft, DraftContext, DraftProposal, RoundOutcome
 from hf_kvspec.speculative.rollback import prepare_for_rollback
 
 
-class DraftModelAssistant(Drafter):
+class DraftModelAssistant(Assistant):
     """``DraftModelAssistant(draft_model, num_draft_tokens=4)``: chain drafts from a small same-tokenizer LM.
 
     ``num_draft_tokens`` is K per round, or ``"auto"`` to adapt it from measured acceptance and cost.

@@ -28,12 +28,12 @@ from transformers import DynamicCache
 
 from hf_kvspec.speculative.autotree import AutoTreeSize, dynamic_menu, fit_tree, static_menu
 from hf_kvspec.speculative.draft_vocab import DraftVocabulary
-from hf_kvspec.speculative.drafters.base import DraftContext, Drafter, DraftProposal, RoundOutcome
+from hf_kvspec.speculative.drafters.base import Assistant, DraftContext, DraftProposal, RoundOutcome
 from hf_kvspec.speculative.drafters.features import ensure_attached
 from hf_kvspec.speculative.tree import grow_dynamic_tree, grow_static_tree, static_tree
 
 
-class EagleAssistant(Drafter):
+class EagleAssistant(Assistant):
     """``EagleAssistant(drafter_head, tree="dynamic", depth=5, top_k=4, total_tokens=24)``.
 
     ``tree="dynamic"``: EAGLE-2, per-row trees of ``total_tokens`` nodes grown ``depth`` levels deep with ``top_k``
@@ -124,7 +124,7 @@ class EagleAssistant(Drafter):
         root_hidden = self._catch_up(buffer)  # [B, H]
         root_logprobs = self._logprobs(root_hidden[:, None])[:, 0]  # [B, V] (V': draft vocabulary columns)
         expand = _TreeRows(self, root_hidden, buffer)
-        max_depth = getattr(ctx, "max_depth", None) or count  # the loop's cap near max_new_tokens
+        max_depth = ctx.max_depth or count  # the loop's cap near max_new_tokens
         if self.static is None:
             depth = self.auto.shape.depth if isinstance(self.auto, AutoTreeSize) else self.depth
             tree = grow_dynamic_tree(root_logprobs, expand, max(1, min(depth, count, max_depth)), self.top_k,

@@ -19,8 +19,6 @@ inputs layers E..L-1 would get; so verify computes the full model's logits over 
 processed once per layer. transformers' ``assistant_early_exit`` instead runs layers 0..E-1 in a separate cache
 and then all L layers again in the verify pass.
 
-The first round (the prompt is not in the cache yet) drafts nothing: its verify forward is the prefill.
-
 Shapes: ``B`` rows, ``N`` drafts, ``S`` cached columns, ``W`` buffer width, ``H`` hidden size, ``V`` vocabulary.
 """
 
@@ -30,11 +28,11 @@ import torch
 
 from hf_kvspec.cache.contract import crop_layers
 from hf_kvspec.speculative.draft_vocab import DraftVocabulary
-from hf_kvspec.speculative.drafters.base import ChainDraft, DraftContext, Drafter, DraftProposal
+from hf_kvspec.speculative.drafters.base import Assistant, ChainDraft, DraftContext, DraftProposal
 from hf_kvspec.speculative.partial_forward import PartialForward
 
 
-class EarlyExitAssistant(Drafter):
+class EarlyExitAssistant(Assistant):
     """Draft with the target's layers ``0..exit_layer-1``; verify with the rest, on one shared cache.
 
     ``adapter``: optional module mapping layer-E hidden states [B, T, H] to hidden states [B, T, H] for the final
@@ -48,6 +46,7 @@ class EarlyExitAssistant(Drafter):
     (ids tensor or file) or of the shipped ranking; ``None`` the full vocabulary."""
 
     shares_target_cache = True
+    runs_verify_forward = True
     can_drop_rows = True  # no per-row state survives a round
 
     def __init__(self, exit_layer: int | None, num_draft_tokens: int | str = "auto", adapter=None,
@@ -78,11 +77,9 @@ class EarlyExitAssistant(Drafter):
 
     # ------------------------------------------------------------------------------------------ draft
     def propose(self, ctx: DraftContext) -> DraftProposal:
-        cache, buffer = ctx.target_cache, ctx.buffer
+        cache = ctx.target_cache
         held = _verified_length(cache, self.stack.num_layers)
         self.kept = None
-        if held < buffer.width - 1:  # first round: the verify forward prefills
-            return DraftProposal(buffer.tokens.new_zeros(buffer.tokens.shape[0], 0))
         early = range(self.exit_layer)
         try:
             return self._draft(ctx, early)
@@ -118,7 +115,7 @@ class EarlyExitAssistant(Drafter):
         if feature_layers is not None:
             raise ValueError("EarlyExitAssistant does not capture target features (wants_hidden_states is False)")
         kept, self.kept = self.kept, None
-        if kept is None:  # nothing drafted: a plain forward (the first round's prefill)
+        if kept is None:  # a round that drafted nothing: a plain decode step
             return model(**inputs, cache=cache, use_cache=True).logits, None
         held = _verified_length(cache, self.stack.num_layers)
         try:

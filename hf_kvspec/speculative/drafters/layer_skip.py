@@ -10,8 +10,6 @@ crops them (``contract.crop_layers``) before returning; the verify forward write
 columns, written by the full model, are the target's: drafting reads them as they are (the draft model is "the
 target with layers skipped, attending over the target's K/V", as in both papers).
 
-The first round (the prompt is not in the cache yet) drafts nothing: its verify forward is the prefill.
-
 ``skip_layers="search"`` (SWIFT-style, a ranking instead of Bayesian optimisation): on the first call, the target
 continues the first prompt row greedily for ``calibration_tokens`` tokens; each layer is scored by the
 teacher-forced agreement (the skipping model's argmax equals the target's next token) with that layer alone
@@ -40,12 +38,12 @@ from transformers import DynamicCache
 
 from hf_kvspec.cache.contract import crop_layers
 from hf_kvspec.speculative.drafters import skip_search_store as store
-from hf_kvspec.speculative.drafters.base import ChainDraft, DraftContext, Drafter, DraftProposal
+from hf_kvspec.speculative.drafters.base import Assistant, ChainDraft, DraftContext, DraftProposal
 from hf_kvspec.speculative.drafters.skip_search_store import ModelFingerprint, SearchResult, SearchSettings
 from hf_kvspec.speculative.partial_forward import PartialForward
 
 
-class LayerSkipAssistant(Drafter):
+class LayerSkipAssistant(Assistant):
     """Draft with the target's layers except ``skip_layers`` (a list of layer indices, or ``"search"``).
 
     ``"search"`` chooses the set on the first ``generate`` call (module docstring) and keeps it for later calls.
@@ -144,10 +142,8 @@ class LayerSkipAssistant(Drafter):
 
     # ------------------------------------------------------------------------------------------ draft
     def propose(self, ctx: DraftContext) -> DraftProposal:
-        cache, buffer = ctx.target_cache, ctx.buffer
+        cache = ctx.target_cache
         held = int(cache.get_seq_length(self.stack.num_layers - 1))
-        if held < buffer.width - 1:  # first round: the verify forward prefills
-            return DraftProposal(buffer.tokens.new_zeros(buffer.tokens.shape[0], 0))
         try:
             return self._draft(ctx)
         finally:

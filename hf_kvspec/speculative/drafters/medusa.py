@@ -20,7 +20,7 @@ import torch
 
 from hf_kvspec.speculative.autotree import AutoTreeSize, fit_tree, static_menu
 from hf_kvspec.speculative.draft_vocab import DraftVocabulary
-from hf_kvspec.speculative.drafters.base import DraftContext, Drafter, DraftProposal, RoundOutcome
+from hf_kvspec.speculative.drafters.base import Assistant, DraftContext, DraftProposal, RoundOutcome
 from hf_kvspec.speculative.drafters.features import ensure_attached
 from hf_kvspec.speculative.tree import CandidateTree, StaticTree, static_tree
 from hf_kvspec.speculative.verify import VerifyResult, deepest_path, sample_tokens
@@ -28,7 +28,7 @@ from hf_kvspec.speculative.verify import VerifyResult, deepest_path, sample_toke
 ACCEPTANCE_RULES = ("exact", "typical")
 
 
-class MedusaAssistant(Drafter):
+class MedusaAssistant(Assistant):
     """``MedusaAssistant(heads, tree="small", acceptance="exact")``: Medusa-1 heads drafting a static tree.
 
     ``tree``: ``"small"`` (8 nodes, the default: on a CPU every verified node costs), ``"default"`` (26), ``"chain"`` (one node per head) or a choice list
@@ -103,7 +103,7 @@ class MedusaAssistant(Drafter):
     def _round_tree(self, ctx: DraftContext) -> StaticTree:
         """This round's tree: the auto size's (or ``num_draft_tokens``) first nodes, at most ``ctx.max_depth``
         deep (the loop's depth cap near ``max_new_tokens``), cached per (size, depth)."""
-        key = (ctx.num_draft_tokens, getattr(ctx, "max_depth", None))
+        key = (ctx.num_draft_tokens, ctx.max_depth)
         if key not in self._fitted:
             self._fitted[key] = fit_tree(self.tree, *key)
         return self._fitted[key]

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from hf_kvspec.speculative.drafters.base import DraftContext, Drafter, DraftProposal
+from hf_kvspec.speculative.drafters.base import Assistant, DraftContext, DraftProposal
 
 
 def lookup_continuation(sequence: torch.Tensor, max_ngram: int, min_ngram: int, count: int) -> torch.Tensor:
@@ -32,7 +32,7 @@ def lookup_continuation(sequence: torch.Tensor, max_ngram: int, min_ngram: int, 
     return sequence[:0]
 
 
-class NgramAssistant(Drafter):
+class NgramAssistant(Assistant):
     """``NgramAssistant(max_ngram=3, num_draft_tokens=8)``: model-free drafting from the context.
 
     ``num_draft_tokens="auto"`` adapts K to the measured acceptance and verify cost (draft cost is ~0).

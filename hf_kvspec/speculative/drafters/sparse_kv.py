@@ -1,6 +1,6 @@
 """Self-speculation at long context: the target drafts for itself over a cheap view of its own KV cache.
 
-Boundary: a ``Drafter`` that runs the *target* model as its own draft, reading a view of the target's cache that
+Boundary: a ``Assistant`` that runs the *target* model as its own draft, reading a view of the target's cache that
 the loop hands over (``shares_target_cache``; ``DraftContext.target_cache``). It never writes the target's cache:
 every round it opens a fresh view, drafts, and drops the view; verification is the loop's plain target forward
 over the full cache, so greedy output is token-identical to plain ``generate`` and sampled output has its exact
@@ -27,9 +27,6 @@ draft's); the draft's own tokens go into the shadow's full-precision window and 
 which the crop rule makes exact when ``residual_length >= max_draft_tokens + group_size - 1``
 (``QuantizedKVCache.check_keep_capacity``).
 
-A first round whose prompt is not yet in the target's cache drafts nothing: the loop's first verify forward
-prefills (one plain step); drafting starts in the second round.
-
 Shapes: ``B`` rows, ``W`` buffer width, ``K`` draft tokens, ``V`` vocabulary.
 """
 
@@ -37,14 +34,13 @@ from __future__ import annotations
 
 import torch
 
-from hf_kvspec.cache.contract import seq_lengths
 from hf_kvspec.cache.views import StreamingView, read_columns
-from hf_kvspec.speculative.drafters.base import ChainDraft, DraftContext, Drafter, DraftProposal
+from hf_kvspec.speculative.drafters.base import Assistant, ChainDraft, DraftContext, DraftProposal
 
 VIEWS = ("streaming", "quantized")
 
 
-class SparseKVAssistant(Drafter):
+class SparseKVAssistant(Assistant):
     """``SparseKVAssistant(view="streaming", sink_tokens=4, window=256, num_draft_tokens=4)``: the target drafts
     over a cheap view of its own cache (module docstring). ``num_draft_tokens`` is K or ``"auto"``.
 
@@ -83,8 +79,6 @@ class SparseKVAssistant(Drafter):
     def propose(self, ctx: DraftContext) -> DraftProposal:
         cache, buffer = ctx.target_cache, ctx.buffer
         committed = buffer.width - 1
-        if cache is None or any(n != committed for n in seq_lengths(cache)):  # prompt not prefilled yet
-            return DraftProposal(buffer.tokens.new_zeros(buffer.tokens.shape[0], 0))
         if self.view == "streaming":
             view = StreamingView(cache, buffer.mask[:, :committed], self.sink_tokens, self.window)
             return self._draft(ctx, view, lambda step: view.attention_mask(1, self.model.dtype))

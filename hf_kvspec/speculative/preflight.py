@@ -1,0 +1,82 @@
+"""What a speculative ``generate`` call must satisfy before its first forward, checked up front with errors that
+name the fix.
+
+Boundary: reads the model's config, the assistant's declared capabilities (``drafters.base.Assistant``) and the
+cache's (``cache.contract``); refuses what the loop cannot do exactly. No forwards, no state.
+"""
+
+from __future__ import annotations
+
+from transformers import DynamicCache
+
+from hf_kvspec import _compat
+from hf_kvspec.speculative.drafters.base import Assistant
+from hf_kvspec.speculative.rollback import check_cache, prepare_for_rollback
+from hf_kvspec.speculative.rounds import check_tree_attention
+
+# generate's model kwargs the loop consumes itself (it computes masks and positions per round)
+HANDLED_KWARGS = {"attention_mask", "position_ids", "cache", "use_cache", "logits_to_keep"}
+
+
+def check_inputs(model, assistant, generation_config) -> None:
+    """The call's model, assistant and generation settings."""
+    if not isinstance(assistant, Assistant):
+        raise TypeError(f"assistant must be an hf_kvspec Assistant (DraftModelAssistant, NgramAssistant, ...), got "
+                        f"{type(assistant).__name__}. For a bare draft model use DraftModelAssistant(model).")
+    if model.config.is_encoder_decoder:
+        raise NotImplementedError("speculative_generate supports decoder-only models.")
+    if (generation_config.num_beams or 1) > 1:
+        raise ValueError("speculative_generate does not do beam search; use num_beams=1.")
+
+
+def check_kwargs(model_kwargs: dict) -> None:
+    unknown = {k for k, v in model_kwargs.items() if v is not None and k not in HANDLED_KWARGS}
+    if unknown:
+        raise ValueError(f"speculative_generate does not forward these generate kwargs to the model: "
+                         f"{sorted(unknown)}. Pass input_ids/attention_mask (decoder-only text models).")
+
+
+def check_call(model, cache, assistant: Assistant, batch: int) -> bool:
+    """Before any forward: the cache rolls back, keeps a tree's path of up to ``max_draft_tokens`` nodes (+ the
+    root) when the assistant proposes trees, crops layer ranges when it drafts on the target's own cache; sliding
+    windows only at batch 1 and never with trees. Returns whether the cache has sliding-window layers."""
+    trees = assistant.proposes_trees
+    check_cache(cache, keep_positions=trees, per_layer=assistant.shares_target_cache,
+                segment=assistant.max_draft_tokens + 1 if trees else None)
+    sliding = prepare_for_rollback(cache)
+    if batch > 1 and (sliding or has_sliding_layers(model.config)):
+        raise NotImplementedError(
+            "speculative_generate with batch size > 1 does not support sliding-window attention layers: rows "
+            "that accept fewer draft tokens keep masked slots, which would shift each row's window. Run the "
+            "rows one at a time (batch size 1).")
+    if trees:
+        check_tree_support(model, sliding)
+    return sliding
+
+
+def check_tree_support(model, sliding: bool) -> None:
+    """Trees need a custom 4D mask through the target's attention and no sliding windows (the mask replaces them)."""
+    check_tree_attention(_compat.attn_implementation(model.config))
+    if sliding or has_sliding_layers(model.config):
+        raise NotImplementedError("tree verification does not support sliding-window attention layers: the tree's "
+                                  "4D mask would replace the window. Use a chain drafter (e.g. tree='chain').")
+
+
+def has_sliding_layers(config) -> bool:
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types:
+        return any("sliding" in str(kind) for kind in layer_types)
+    return getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True)
+
+
+def rows_may_leave(cache, assistant: Assistant) -> bool:
+    """Finished rows may leave the batch (``rows.py``) only from a plain ``DynamicCache`` that ``generate`` made for
+    this call (a caller's cache keeps its rows; ``generate`` keeps static caches on the model for later calls;
+    offloading layers prefetch across calls' layers) and with an assistant that re-indexes its own state."""
+    if not assistant.can_drop_rows:
+        return False
+    if cache is None:  # the prefill creates a DynamicCache
+        return True
+    return (type(cache) is DynamicCache and not getattr(cache, "offloading", False)
+            and not _compat.cache_is_user_defined(cache)
+            and all(callable(getattr(layer, "batch_select_indices", None)) for layer in cache.layers))
