@@ -300,6 +300,7 @@ def test_decoder_stack_pieces_run_one_by_one_reproduce_the_forward(kind, overrid
     """decoder_stack's claims: embed (no scale) -> each layer (a tensor out, shared rotary position_embeddings, a 4D
     additive mask) -> norm -> lm_head is the model's forward; and hidden_states[i] for i < L is the raw output of
     layers 0..i-1 while hidden_states[L] is already normalised (what ExitAdapter's exit_layer < L relies on)."""
+    from hf_kvspec.masking import additive_mask
     from hf_kvspec.speculative.partial_forward import causal_key_mask
 
     model = tiny_model(kind, num_hidden_layers=3, **overrides)
@@ -311,7 +312,7 @@ def test_decoder_stack_pieces_run_one_by_one_reproduce_the_forward(kind, overrid
         out = model(input_ids=ids, output_hidden_states=True, use_cache=False)
         hidden = embed(ids)
         assert torch.equal(hidden, out.hidden_states[0])  # no embedding scale
-        mask = causal_key_mask(torch.ones_like(ids), ids.shape[1], hidden.dtype)
+        mask = additive_mask(causal_key_mask(torch.ones_like(ids), ids.shape[1]), hidden.dtype)
         rope = rotary(hidden, position_ids=positions)
         for i, layer in enumerate(layers):
             hidden = layer(hidden, attention_mask=mask, position_ids=positions, position_embeddings=rope)

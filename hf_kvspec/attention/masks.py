@@ -4,7 +4,8 @@ Boundary: turns whatever mask transformers (or a caller with a custom 4D mask, e
 attention function into one explicit form, folds it onto KV heads, and owns the masked softmax. It knows
 nothing about models or caches. ``kvspec_gqa`` (``gqa.py``), ``kvspec_paged`` (``paged.py``), ``kvspec_quant``
 (``hf_kvspec/cache/quantized_attention.py``) and the MLA-absorb path (``mla.py``) all use these functions and
-no private copy of them.
+no private copy of them. Turning a bool mask into an additive one, and widening a mask over more keys, are
+``hf_kvspec/masking.py``'s (shared with the cache views and the speculative paths).
 
 What arrives as ``attention_mask``:
     * ``None``: transformers skipped the mask because causality alone (or nothing) is to be masked;
@@ -42,6 +43,8 @@ from __future__ import annotations
 
 import torch
 
+from hf_kvspec.masking import additive_mask
+
 
 def normalize_mask(mask: torch.Tensor | None, dtype: torch.dtype | None = None) -> torch.Tensor | None:
     """Bool or float mask as SDPA accepts it; integer 0/1 masks become bool (1 = attend).
@@ -61,21 +64,14 @@ def additive_sdpa_mask(*args, dtype: torch.dtype = torch.float32, **kwargs) -> t
     The mask function ``kvspec_gqa`` registers with ``AttentionMaskInterface`` (same arguments as ``sdpa_mask``;
     transformers passes the model's ``dtype``). Why not the bool mask itself: transformers builds the mask once
     per forward and every layer reuses it, while SDPA on CPU turns a bool mask into an additive float one
-    inside each call; converting here does it once per forward (measured in ``docs/attention.md``). The
-    values are ``eager_mask``'s (``finfo.min``), so a fully masked padding query gets uniform weights, as in
-    eager (rule 2 applied to a float mask).
+    inside each call; converting here (``hf_kvspec.masking.additive_mask``) does it once per forward (measured
+    in ``docs/attention.md``). The values are ``eager_mask``'s (``finfo.min``), so a fully masked padding query
+    gets uniform weights, as in eager (rule 2 applied to a float mask).
     """
     from transformers.masking_utils import sdpa_mask
 
     keep = normalize_mask(sdpa_mask(*args, **kwargs))
     return None if keep is None else additive_mask(keep, dtype)
-
-
-def additive_mask(keep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A bool mask (True = attend) as eager's additive float mask of the same shape: 0 = attend, ``finfo.min`` =
-    masked (a fully masked row softmaxes to uniform weights, rule 2). The one bool -> float conversion."""
-    zero = torch.zeros((), dtype=dtype, device=keep.device)
-    return torch.where(keep, zero, torch.finfo(dtype).min)
 
 
 # ---- rule 1: a missing mask ---------------------------------------------------------------------------------------

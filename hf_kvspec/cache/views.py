@@ -44,6 +44,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer, StaticLayer
 
 from hf_kvspec.cache.contract import gather_segment
+from hf_kvspec.masking import additive_mask
 
 
 # ---------------------------------------------------------------------------------------------------- columns
@@ -151,13 +152,16 @@ class StreamingView(Cache):
         """Draft tokens in the scratch (those of the first layer; a draft forward feeds every layer)."""
         return self.layers[0].get_seq_length() - self.columns.shape[1]
 
-    def attention_mask(self, new_tokens: int, dtype: torch.dtype) -> torch.Tensor:
-        """Additive [B, 1, T, C + d + T] mask of a forward feeding ``T = new_tokens`` more draft tokens: the
+    def visible(self, new_tokens: int) -> torch.Tensor:
+        """Bool [B, 1, T, C + d + T] (True = attend) for a forward feeding ``T = new_tokens`` more draft tokens: the
         committed columns as ``valid`` says, the scratch causally (query t sees drafts 0..d + t)."""
         drafts = self.drafted + new_tokens
         queries = torch.arange(new_tokens, device=self.valid.device)[:, None] + self.drafted
         causal = torch.arange(drafts, device=self.valid.device)[None, :] <= queries  # [T, d + T]
         keep = torch.cat([self.valid[:, None, :].expand(-1, new_tokens, -1),
                           causal.expand(self.valid.shape[0], -1, -1)], dim=2)  # [B, T, C + d + T]
-        zero = torch.zeros((), dtype=dtype, device=keep.device)
-        return torch.where(keep, zero, torch.finfo(dtype).min)[:, None]
+        return keep[:, None]
+
+    def attention_mask(self, new_tokens: int, dtype: torch.dtype) -> torch.Tensor:
+        """``visible(new_tokens)`` as the additive [B, 1, T, C + d + T] mask in ``dtype`` a draft forward is fed."""
+        return additive_mask(self.visible(new_tokens), dtype)

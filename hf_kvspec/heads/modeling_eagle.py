@@ -34,6 +34,7 @@ from transformers.utils import ModelOutput
 from hf_kvspec import _compat
 from hf_kvspec.heads.configuration import EagleConfig
 from hf_kvspec.heads.modeling_common import DraftHeadModel
+from hf_kvspec.masking import additive_mask
 
 
 @dataclass
@@ -56,8 +57,8 @@ def layer_config(config: EagleConfig, attn_implementation: str = "sdpa") -> PreT
     return AutoConfig.for_model(fields.pop("model_type"), attn_implementation=attn_implementation, **fields)
 
 
-def unrolled_step_mask(valid: torch.Tensor, step: int, dtype: torch.dtype) -> torch.Tensor:
-    """Additive mask [B, 1, T, (step+1)*T] for step ``step`` of the training-time test (EAGLE-3).
+def unrolled_step_mask(valid: torch.Tensor, step: int) -> torch.Tensor:
+    """Bool mask [B, 1, T, (step+1)*T] (True = attend) for step ``step`` of the training-time test (EAGLE-3).
 
     Query (step j, start s) sits at position s+j and may see: step-0 keys at columns c <= s (true features of the
     verified prefix, padding excluded), and for each earlier unrolled step i in 1..j only the key of its own start s
@@ -72,9 +73,7 @@ def unrolled_step_mask(valid: torch.Tensor, step: int, dtype: torch.dtype) -> to
     own = torch.eye(size, dtype=torch.bool, device=valid.device)                     # [T, T], c == s
     allowed = torch.cat([prefix] + [own] * step, dim=1)                              # [T, (j+1)T]
     keys_valid = torch.cat([valid] + [torch.ones_like(valid)] * step, dim=1)         # [B, (j+1)T]
-    allowed = allowed[None] & keys_valid[:, None, :]                                 # [B, T, (j+1)T]
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=valid.device)
-    return mask.masked_fill(~allowed, torch.finfo(dtype).min)[:, None]
+    return (allowed[None] & keys_valid[:, None, :])[:, None]                         # [B, 1, T, (j+1)T]
 
 
 def widen_attention_inputs(layer: nn.Module, config: PreTrainedConfig) -> nn.Module:
@@ -197,7 +196,7 @@ class EagleDrafter(DraftHeadModel):
         cache, fused, outputs = DynamicCache(), self.fuse_features(features), []
         for j in range(steps):
             ids_j = input_ids[:, (torch.arange(size, device=input_ids.device) + j).clamp(max=size - 1)]
-            mask = unrolled_step_mask(valid, j, fused.dtype)
+            mask = additive_mask(unrolled_step_mask(valid, j), fused.dtype)
             hidden = self.step(ids_j, fused if j == 0 else outputs[-1], positions + j, mask, cache)
             outputs.append(hidden)
         return outputs

@@ -23,17 +23,17 @@ from collections.abc import Sequence
 import torch
 
 from hf_kvspec import _compat
+from hf_kvspec.masking import additive_mask, pad_keys
 
 
-def causal_key_mask(key_mask: torch.Tensor, new: int, dtype: torch.dtype) -> torch.Tensor:
-    """Additive mask ``[B, 1, T, S]`` for ``T = new`` queries at the last ``T`` of ``S`` columns: query t sees
-    column c when ``key_mask[b, c]`` is 1 and ``c <= S - T + t``. key_mask [B, S] 0/1."""
-    batch, width = key_mask.shape
+def causal_key_mask(key_mask: torch.Tensor, new: int) -> torch.Tensor:
+    """Bool mask ``[B, 1, T, S]`` (True = attend) for ``T = new`` queries at the last ``T`` of ``S`` columns: query
+    t sees column c when ``key_mask[b, c]`` is 1 and ``c <= S - T + t``. key_mask [B, S] 0/1."""
+    width = key_mask.shape[1]
     columns = torch.arange(width, device=key_mask.device)  # [S]
     query_columns = torch.arange(width - new, width, device=key_mask.device)  # [T]
     visible = (columns[None, :] <= query_columns[:, None])[None] & key_mask[:, None, :].bool()  # [B, T, S]
-    mask = torch.zeros(batch, 1, new, width, dtype=dtype, device=key_mask.device)
-    return mask.masked_fill(~visible[:, None], torch.finfo(dtype).min)
+    return visible[:, None]
 
 
 class PartialForward:
@@ -66,7 +66,8 @@ class PartialForward:
             key_mask = torch.ones(hidden.shape[0], held + new, dtype=torch.long, device=hidden.device)
         if key_mask.shape[1] != held + new:
             raise RuntimeError(f"key mask covers {key_mask.shape[1]} columns, layers hold {held} + {new} new")
-        mask = _pad_keys(causal_key_mask(key_mask, new, hidden.dtype), cache.get_mask_sizes(new, layers[0])[0])
+        keep = pad_keys(causal_key_mask(key_mask, new), cache.get_mask_sizes(new, layers[0])[0])  # [B, 1, T, >= S]
+        mask = additive_mask(keep, hidden.dtype)
         rotary = self.rotary_emb(hidden, position_ids=position_ids)  # (cos, sin) [B, T, D]
         for i in layers:
             hidden = self.layers[i](hidden, attention_mask=mask, position_ids=position_ids, cache=cache,
@@ -76,11 +77,3 @@ class PartialForward:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Last hidden states [B, T, H] (before the final norm) -> logits [B, T, V] through the shared head."""
         return self.lm_head(self.norm(hidden))
-
-
-def _pad_keys(mask: torch.Tensor, kv_length: int) -> torch.Tensor:
-    # [B, 1, T, S] -> [B, 1, T, kv_length]: a static cache attends over its whole length; the free slots masked
-    extra = kv_length - mask.shape[-1]
-    if extra <= 0:
-        return mask
-    return torch.nn.functional.pad(mask, (0, extra), value=torch.finfo(mask.dtype).min)

@@ -45,6 +45,7 @@ from collections.abc import Callable
 import torch
 
 from hf_kvspec.cache.contract import keep_positions
+from hf_kvspec.masking import pad_keys
 from hf_kvspec.speculative.drafters.base import DraftProposal
 from hf_kvspec.speculative.positions import History, PositionwiseProcessor
 from hf_kvspec.speculative.tree import CandidateTree, keep_indices, tree_depth
@@ -150,7 +151,7 @@ class TreeRound:
         count = self.num_draft + 1
         mask = tree.attention_mask(buffer.mask[:, :-1], dtype)  # [A, 1, N + 1, W + N]
         if cache is not None:  # a static cache's keys are longer than what is written: mask its free slots
-            mask = _pad_keys(mask, cache.get_mask_sizes(count, 0)[0])
+            mask = pad_keys(mask, cache.get_mask_sizes(count, 0)[0])
         return dict(input_ids=torch.cat([buffer.tokens[:, -1:], tree.tokens], dim=1), attention_mask=mask,
                     position_ids=tree.position_ids(buffer.positions[:, -1]), logits_to_keep=count)
 
@@ -185,14 +186,6 @@ def _verify(proposal: DraftProposal, parents, scores: torch.Tensor, do_sample: b
 
 
 # ---------------------------------------------------------------------------------------------- tree tensors
-def _pad_keys(mask: torch.Tensor, kv_length: int) -> torch.Tensor:
-    # [B, 1, Q, K] additive mask -> [B, 1, Q, kv_length], the extra key columns masked
-    extra = kv_length - mask.shape[-1]
-    if extra <= 0:
-        return mask
-    return torch.nn.functional.pad(mask, (0, extra), value=torch.finfo(mask.dtype).min)
-
-
 def path_tokens(tree: CandidateTree, pad_token_id: int) -> torch.Tensor:
     """``[A, N, D]`` the tokens of each node's path, root side first (``pad_token_id`` past the node's depth)."""
     paths = tree.paths()  # [A, N, D] node ids, -1 padded

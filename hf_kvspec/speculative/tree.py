@@ -48,6 +48,8 @@ from dataclasses import dataclass
 
 import torch
 
+from hf_kvspec.masking import additive_mask
+
 
 def tree_depth(parents: torch.Tensor) -> torch.Tensor:
     """``[B, N]`` (or ``[N]``) parents -> 1-based depth of the same shape; refuses a non-topological order."""
@@ -115,10 +117,7 @@ class CandidateTree:
         nodes = torch.cat([torch.zeros(batch, 1, size, dtype=torch.bool, device=prefix.device),
                            self.ancestors()], dim=1)  # [B, 1+N, N]
         allowed = torch.cat([prefix, root, nodes], dim=2)[:, None]  # [B, 1, 1+N, S+1+N]
-        if dtype == torch.bool:
-            return allowed
-        return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(
-            ~allowed, torch.finfo(dtype).min)
+        return allowed if dtype == torch.bool else additive_mask(allowed, dtype)
 
     def position_ids(self, root_position: torch.Tensor) -> torch.Tensor:
         """``root_position`` [B] -> ``[B, 1 + N]``: the root's position, then root position + depth per node."""

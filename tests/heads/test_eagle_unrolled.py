@@ -11,7 +11,7 @@ from tests.tiny_models import tiny_model
 
 
 def test_mask_worked_example():
-    mask = unrolled_step_mask(torch.ones(1, 3, dtype=torch.bool), step=1, dtype=torch.float32)[0, 0] == 0
+    mask = unrolled_step_mask(torch.ones(1, 3, dtype=torch.bool), step=1)[0, 0]
     expected = torch.tensor([[1, 0, 0, 1, 0, 0], [1, 1, 0, 0, 1, 0], [1, 1, 1, 0, 0, 1]], dtype=torch.bool)
     assert torch.equal(mask, expected)
 

@@ -26,6 +26,7 @@ from collections.abc import Sequence
 import torch
 from transformers import DynamicCache
 
+from hf_kvspec.masking import additive_mask
 from hf_kvspec.speculative.autotree import AutoTreeSize, dynamic_menu, fit_tree, static_menu
 from hf_kvspec.speculative.draft_vocab import DraftVocabulary
 from hf_kvspec.speculative.drafters.base import Assistant, DraftContext, DraftProposal, RoundOutcome
@@ -153,7 +154,7 @@ class EagleAssistant(Assistant):
         if end == start:
             return self.root_hidden
         positions = buffer.positions[:, start:end]  # [B, m]
-        mask = _catch_up_mask(buffer.mask[:, :end], start, self.head.dtype)  # [B, 1, m, end]
+        mask = additive_mask(_catch_up_mask(buffer.mask[:, :end], start), self.head.dtype)  # [B, 1, m, end]
         out = self.head(next_real_tokens(buffer.tokens, buffer.mask)[:, start:end],
                         features=self.pending.to(self.head.dtype), position_ids=positions, attention_mask=mask,
                         cache=self.cache, return_logits=False)
@@ -196,7 +197,7 @@ class _TreeRows:
         head = self.assistant.head
         positions = (self.root_position + self.calls).expand(batch, count)  # depth d sits at root + d - 1
         out = head(self.assistant.target_ids(tokens), draft_hidden=parent_hidden, position_ids=positions,
-                   attention_mask=_additive(allowed, head.dtype), cache=self.assistant.cache, return_logits=False)
+                   attention_mask=additive_mask(allowed, head.dtype), cache=self.assistant.cache, return_logits=False)
         self.hidden = out.hidden_states
         self.calls += 1
         return self.assistant._logprobs(self.hidden)
@@ -219,15 +220,11 @@ def _last_real(mask: torch.Tensor) -> torch.Tensor:
     return torch.where(mask.bool(), cols, 0).max(dim=1).values
 
 
-def _catch_up_mask(mask: torch.Tensor, start: int, dtype: torch.dtype) -> torch.Tensor:
-    """Additive ``[B, 1, W - start, W]``: query column q sees real columns up to q, and itself (a hole query then
-    attends somewhere, so no row is fully masked)."""
+def _catch_up_mask(mask: torch.Tensor, start: int) -> torch.Tensor:
+    """Bool ``[B, 1, W - start, W]`` (True = attend): query column q sees real columns up to q, and itself (a hole
+    query then attends somewhere, so no row is fully masked)."""
     width = mask.shape[1]
     queries = torch.arange(start, width, device=mask.device)[:, None]
     keys = torch.arange(width, device=mask.device)[None, :]
     allowed = (mask.bool()[:, None, :] & (keys <= queries)) | (keys == queries)  # [B, m, W]
-    return _additive(allowed[:, None], dtype)
-
-
-def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, torch.finfo(dtype).min)
+    return allowed[:, None]
