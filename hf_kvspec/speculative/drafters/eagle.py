@@ -30,7 +30,7 @@ from hf_kvspec.masking import additive_mask
 from hf_kvspec.speculative.autotree import AutoTreeSize, dynamic_menu, fit_tree, static_menu
 from hf_kvspec.speculative.draft_vocab import DraftVocabulary
 from hf_kvspec.speculative.drafters.base import Assistant, DraftContext, DraftProposal, RoundOutcome
-from hf_kvspec.speculative.drafters.features import ensure_attached
+from hf_kvspec.speculative.drafters.features import begin_with_features
 from hf_kvspec.speculative.tree import grow_dynamic_tree, grow_static_tree, static_tree
 
 
@@ -86,10 +86,7 @@ class EagleAssistant(Assistant):
     # ------------------------------------------------------------------------------------------ state
     def begin(self, target, buffer, target_hidden=None) -> None:
         super().begin(target, buffer, target_hidden)
-        if target_hidden is None:
-            raise ValueError("EagleAssistant drafts from the target's features; run it through "
-                             "hf_kvspec.speculative_generate, which passes them (wants_hidden_states).")
-        ensure_attached(self.head, target)
+        begin_with_features(self, self.head, target, target_hidden)
         width = len(self.feature_layers) * self.head.config.base_hidden_size
         if target_hidden.shape[-1] != width:
             raise ValueError(f"the drafter reads target layers {list(self.feature_layers)} ({width} features per "

@@ -91,3 +91,12 @@ def ensure_attached(head: nn.Module, target: nn.Module) -> None:
     own = next(head.parameters(), None)
     if own is not None and (own.device != weight.device or own.dtype != weight.dtype):
         head.to(device=weight.device, dtype=weight.dtype)
+
+
+def begin_with_features(assistant, head: nn.Module, target: nn.Module, target_hidden) -> None:
+    """The start of a call for an assistant that drafts from the target's features: the loop passed the prefill's
+    features, and ``head`` is attached to ``target`` (``ensure_attached``)."""
+    if target_hidden is None:
+        raise ValueError(f"{type(assistant).__name__} drafts from the target's features; run it through "
+                         "hf_kvspec.speculative_generate, which passes them (wants_hidden_states).")
+    ensure_attached(head, target)

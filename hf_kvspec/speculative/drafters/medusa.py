@@ -21,7 +21,7 @@ import torch
 from hf_kvspec.speculative.autotree import AutoTreeSize, fit_tree, static_menu
 from hf_kvspec.speculative.draft_vocab import DraftVocabulary
 from hf_kvspec.speculative.drafters.base import Assistant, DraftContext, DraftProposal, RoundOutcome
-from hf_kvspec.speculative.drafters.features import ensure_attached
+from hf_kvspec.speculative.drafters.features import begin_with_features
 from hf_kvspec.speculative.tree import CandidateTree, StaticTree, static_tree
 from hf_kvspec.speculative.verify import VerifyResult, deepest_path, sample_tokens
 
@@ -76,10 +76,7 @@ class MedusaAssistant(Assistant):
 
     def begin(self, target, buffer, target_hidden=None) -> None:
         super().begin(target, buffer, target_hidden)
-        if target_hidden is None:
-            raise ValueError("MedusaAssistant drafts from the target's hidden states; run it through "
-                             "hf_kvspec.speculative_generate, which passes them (wants_hidden_states).")
-        ensure_attached(self.heads, target)
+        begin_with_features(self, self.heads, target, target_hidden)
         self.feature = target_hidden[:, -1]
 
     def kernel_modules(self) -> tuple:
