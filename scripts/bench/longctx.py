@@ -91,13 +91,14 @@ def _runs(args) -> dict:
 
 def _decode(model, ids, cache, factory, sampling, new_tokens):
     assistant = factory() if factory else None
-    extra = dict(custom_generate=hf_kvspec.speculative_generate, assistant=assistant) if assistant else {}
+    extra = dict(custom_generate=hf_kvspec.speculative_generate, assistant=assistant,
+                 return_dict_in_generate=True) if assistant else {}
     torch.manual_seed(0)
     start = time.perf_counter()
     with torch.inference_mode():
-        model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, max_new_tokens=new_tokens,
-                       min_new_tokens=new_tokens, pad_token_id=0, **sampling, **extra)
-    return time.perf_counter() - start, assistant
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, max_new_tokens=new_tokens,
+                             min_new_tokens=new_tokens, pad_token_id=0, **sampling, **extra)
+    return time.perf_counter() - start, assistant, out.acceptance if assistant else None
 
 
 def _step_costs(model, cache, ids, args, repeats: int = 5) -> dict:
@@ -147,18 +148,17 @@ def _measure(model, tokenizer, context, batch, args, report) -> None:
         for name, (factory, sampling, quantized) in runs.items():
             cache = copy.deepcopy(base)
             with _attention(model, "kvspec_quant" if quantized else args.attention):
-                seconds, assistant = _decode(model, ids, cache, factory, sampling, args.new_tokens)
+                seconds, assistant, acc = _decode(model, ids, cache, factory, sampling, args.new_tokens)
             samples.setdefault(name, []).append(seconds)
-            stats[name] = (assistant, _cache_bytes(cache))
+            stats[name] = (assistant, acc, _cache_bytes(cache))
     config = model.config
     for name, seconds in samples.items():
-        assistant, measured = stats[name]
+        assistant, acc, measured = stats[name]
         plain = statistics.median(samples["plain/sample" if name.endswith("sample") else "plain/greedy"])
         row = dict(context=context, batch=batch, run=name, seconds=statistics.median(seconds),
                    ratio=plain / statistics.median(seconds), kv_formula=kv_cache_bytes(
                        config, context + args.new_tokens - 1, batch, torch.float32), kv_measured=measured)
         if assistant is not None:
-            acc = assistant.stats
             k = args.k
             row.update(tau=acc.tokens_per_target_forward, acceptance=[round(a, 2) for a in acc.acceptance_rate],
                        mean_k=sum(acc.draft_lengths) / max(len(acc.draft_lengths), 1),

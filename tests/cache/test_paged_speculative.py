@@ -24,8 +24,9 @@ def models():
 def _speculative(target, draft, ids, mask, cache, num_draft_tokens=4):
     assistant = hf_kvspec.DraftModelAssistant(draft, num_draft_tokens=num_draft_tokens)
     out = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=MAX_NEW, pad_token_id=0,
-                          custom_generate=hf_kvspec.speculative_generate, assistant=assistant, cache=cache)
-    return out, assistant.stats
+                          custom_generate=hf_kvspec.speculative_generate, assistant=assistant, cache=cache,
+                          return_dict_in_generate=True)
+    return out.sequences, out.acceptance
 
 
 @pytest.mark.parametrize("bs", [1, 4])

@@ -112,9 +112,10 @@ def test_beam_check_fails_without_reordering(model, prompt, monkeypatch):
 
 def _speculative(model, prompt, cache):
     assistant = hf_kvspec.DraftModelAssistant(copy.deepcopy(model), num_draft_tokens=4)
-    out = _greedy(model, prompt, cache, new=48, custom_generate=hf_kvspec.speculative_generate, assistant=assistant)
-    assert not assistant.stats.empty  # canary: speculative rounds really ran
-    return out
+    out = _greedy(model, prompt, cache, new=48, custom_generate=hf_kvspec.speculative_generate, assistant=assistant,
+                  return_dict_in_generate=True)
+    assert not out.acceptance.empty  # canary: speculative rounds really ran
+    return out.sequences
 
 
 @pytest.mark.parametrize("settings", [dict(method="int8"), dict(method="fp8")], ids=["int8", "fp8"])

@@ -186,11 +186,13 @@ def test_auto_tree_picks_the_known_optimum(case, seed):
     assert best == {"gpu-like": Shape(32, 5), "useless-drafts": PLAIN}.get(case, best)
 
 
-def test_auto_tree_ignores_the_cost_of_a_round_that_fed_the_prompt():
+def test_auto_tree_takes_every_round_as_a_cost_sample():
+    """The prompt is prefilled in a forward of its own, so the call's first round is a cost sample too."""
     auto = AutoTreeSize(MENU)
-    auto.choose()
-    auto.update(RoundOutcome(10, torch.tensor([2]), torch.tensor([True]), 32, 5.0, 50.0, prompt_tokens=100))
-    assert auto.verify == {} and auto.rates[Shape(32, 5)].offered[0] == 1
+    assert auto.choose() == 32 and auto.shape == Shape(32, 5)
+    auto.update(RoundOutcome(10, torch.tensor([2]), torch.tensor([True]), 32, 5.0, 50.0))
+    assert auto.verify == {32: [1.0, 50.0]} and auto.draft == [5.0, 5.0]  # [weight, s]; [levels drafted, s]
+    assert auto.rates[Shape(32, 5)].offered[0] == 1
 
 
 def test_assistants_take_auto(target):
@@ -200,6 +202,7 @@ def test_assistants_take_auto(target):
     for assistant in (MedusaAssistant(medusa_heads(target), num_draft_tokens="auto"),
                       EagleAssistant(eagle_head(target), num_draft_tokens="auto")):
         assert isinstance(assistant.auto, AutoTreeSize)
-        out = target.generate(ids, custom_generate=hf_kvspec.speculative_generate, assistant=assistant, **kwargs)
-        assert torch.equal(out, expected)
-        assert 0 in assistant.stats.draft_lengths  # the plain step it measures early on
+        out = target.generate(ids, custom_generate=hf_kvspec.speculative_generate, assistant=assistant,
+                              return_dict_in_generate=True, **kwargs)
+        assert torch.equal(out.sequences, expected)
+        assert 0 in out.acceptance.draft_lengths  # the plain step it measures early on

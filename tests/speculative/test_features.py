@@ -17,9 +17,8 @@ def models():
 
 def _spec(target, draft, ids, mask=None, k=4, **kw):
     assistant = hf_kvspec.DraftModelAssistant(draft, num_draft_tokens=k)
-    out = target.generate(ids, attention_mask=mask, pad_token_id=0, custom_generate=hf_kvspec.speculative_generate,
-                          assistant=assistant, **kw)
-    return out, assistant
+    return target.generate(ids, attention_mask=mask, pad_token_id=0, custom_generate=hf_kvspec.speculative_generate,
+                           assistant=assistant, **kw)
 
 
 def _plain(target, ids, mask=None, **kw):
@@ -32,25 +31,25 @@ def test_eos_inside_an_accepted_draft_stops_the_row(models, eos_as_list):
     ids, mask = batch(4)
     free = _plain(target, ids, mask, do_sample=False, max_new_tokens=12, eos_token_id=None)
     new = free[0, ids.shape[1]:].tolist()
-    # rounds of 4 drafts + 1 bonus (the first round verifies the prompt too): pick a fresh token that is a draft
-    at = next(i for i in range(5, len(new)) if new[i] not in new[:i] and i % 5 != 4)
+    # the prefill emits new[0], then rounds of 4 drafts + 1 bonus (new[5], new[10]): a fresh token that is a draft
+    at = next(i for i in range(5, len(new)) if new[i] not in new[:i] and i % 5 != 0)
     eos = new[at]
     eos_arg = [eos, 95] if eos_as_list else eos
     expected = _plain(target, ids, mask, do_sample=False, max_new_tokens=12, eos_token_id=eos_arg)
-    out, assistant = _spec(target, drafts["right"], ids, mask, do_sample=False, max_new_tokens=12,
-                           eos_token_id=eos_arg)
-    assert torch.equal(out, expected)
-    row0 = out[0, ids.shape[1]:].tolist()
+    out = _spec(target, drafts["right"], ids, mask, do_sample=False, max_new_tokens=12, eos_token_id=eos_arg,
+                return_dict_in_generate=True)
+    assert torch.equal(out.sequences, expected)
+    row0 = out.sequences[0, ids.shape[1]:].tolist()
     assert row0.index(eos) == at and all(t == 0 for t in row0[at + 1:])  # stopped at EOS, padded after it
-    assert assistant.stats.mean_acceptance == 1.0  # EOS really arrived inside an accepted draft
+    assert out.acceptance.mean_acceptance == 1.0  # EOS really arrived inside an accepted draft
 
 
 @pytest.mark.parametrize("max_new_tokens", [1, 2, 3, 6, 11])
 def test_max_new_tokens_is_exact(models, max_new_tokens):
     target, drafts = models
     ids, mask = batch(2)
-    out, _ = _spec(target, drafts["right"], ids, mask, k=4, do_sample=False, max_new_tokens=max_new_tokens,
-                   eos_token_id=None)
+    out = _spec(target, drafts["right"], ids, mask, k=4, do_sample=False, max_new_tokens=max_new_tokens,
+                eos_token_id=None)
     assert out.shape[1] == ids.shape[1] + max_new_tokens
     assert torch.equal(out, _plain(target, ids, mask, do_sample=False, max_new_tokens=max_new_tokens,
                                    eos_token_id=None))
@@ -96,7 +95,7 @@ def test_return_dict_scores_and_acceptance(models):
     kw = dict(do_sample=False, max_new_tokens=10, eos_token_id=None, return_dict_in_generate=True,
               output_scores=True, output_logits=True)
     expected = _plain(target, ids, mask, **kw)
-    out, assistant = _spec(target, drafts["partial"], ids, mask, **kw)
+    out = _spec(target, drafts["partial"], ids, mask, **kw)
     assert torch.equal(out.sequences, expected.sequences)
     assert len(out.scores) == len(expected.scores) == 10
     for ours, theirs in zip(out.scores, expected.scores):
@@ -104,11 +103,24 @@ def test_return_dict_scores_and_acceptance(models):
         torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
     for ours, theirs in zip(out.logits, expected.logits):
         torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
-    assert isinstance(out.acceptance, hf_kvspec.AcceptanceStats)
-    assert out.acceptance is assistant.stats
+    assert isinstance(out.acceptance, hf_kvspec.AcceptanceStats) and out.acceptance.rounds > 0
     # rows reach max_length in different rounds and leave the batch of the cache generate made for this call; a
     # cache missing rows cannot continue the returned sequences, so none is returned then
     assert out.acceptance.rows_dropped > 0 and out.cache is None
+
+
+def test_each_call_returns_a_fresh_acceptance(models):
+    """Two calls with one assistant: two distinct AcceptanceStats, the second not accumulating the first's rounds."""
+    target, drafts = models
+    ids, mask = batch(2)
+    assistant = hf_kvspec.DraftModelAssistant(drafts["partial"], num_draft_tokens=4)
+    kw = dict(attention_mask=mask, do_sample=False, max_new_tokens=10, eos_token_id=None, pad_token_id=0,
+              custom_generate=hf_kvspec.speculative_generate, assistant=assistant, return_dict_in_generate=True)
+    first, second = target.generate(ids, **kw), target.generate(ids, **kw)
+    assert torch.equal(first.sequences, second.sequences)
+    assert isinstance(second.acceptance, hf_kvspec.AcceptanceStats) and second.acceptance is not first.acceptance
+    assert first.acceptance.rounds > 0
+    assert (second.acceptance.rounds, second.acceptance.accepted) == (first.acceptance.rounds, first.acceptance.accepted)
 
 
 def test_canary_enable_path_really_speculates(models):
@@ -123,9 +135,10 @@ def test_canary_enable_path_really_speculates(models):
     finally:
         hf_kvspec.disable(target)
     stats = out.acceptance
-    assert not stats.empty and stats.rounds == 4  # 4 rounds x (4 accepted + 1 bonus), the first one with the prompt
-    assert stats.target_forwards == 4 and stats.prefill_forwards == 0  # no separate prefill forward
-    assert stats.tokens_per_target_forward == pytest.approx(5.0)
+    # the prefill emits 1 token; then 3 rounds x (4 accepted + 1 bonus) and a last round of 3 drafts + 1 (19 tokens)
+    assert not stats.empty and stats.rounds == 4
+    assert stats.target_forwards == 5 and stats.prefill_forwards == 1
+    assert stats.tokens_per_target_forward == pytest.approx(19 / 4)
     assert stats.draft_forwards > 0 and stats.draft_time_s > 0 and stats.verify_time_s > 0
     assert stats.acceptance_rate == [1.0] * 4 and not stats.lossy
 
@@ -140,7 +153,7 @@ def test_assistant_is_required_and_typed(models):
                         assistant=drafts["right"])
 
 
-class _FeatureDrafter(hf_kvspec.Drafter):
+class _FeatureDrafter(hf_kvspec.Assistant):
     """A hidden-state drafter stub (the Medusa/EAGLE seam): drafts a fixed token, records what it is shown."""
 
     wants_hidden_states = True

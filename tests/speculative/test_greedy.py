@@ -29,9 +29,9 @@ def test_custom_generate_matches_plain_greedy(models, draft_name, bs):
     assistant = hf_kvspec.DraftModelAssistant(drafts[draft_name], num_draft_tokens=4)
     out = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=MAX_NEW, pad_token_id=0,
                           custom_generate=hf_kvspec.speculative_generate, assistant=assistant,
-                          cache=DynamicCache(config=target.config))
-    assert torch.equal(out, _plain(target, ids, mask))
-    stats = assistant.stats
+                          cache=DynamicCache(config=target.config), return_dict_in_generate=True)
+    assert torch.equal(out.sequences, _plain(target, ids, mask))
+    stats = out.acceptance
     assert not stats.empty  # canary: the loop really ran rounds
     if draft_name == "right":
         assert stats.mean_acceptance == 1.0
@@ -48,9 +48,9 @@ def test_enable_matches_plain_greedy(models, draft_name):
     try:
         assistant = hf_kvspec.DraftModelAssistant(drafts[draft_name], num_draft_tokens=3)
         out = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=MAX_NEW, pad_token_id=0,
-                              assistant=assistant)
-        assert torch.equal(out, expected)
-        assert not assistant.stats.empty
+                              assistant=assistant, return_dict_in_generate=True)
+        assert torch.equal(out.sequences, expected)
+        assert not out.acceptance.empty
         # without assistant the enabled model is stock generate
         assert torch.equal(_plain(target, ids, mask), expected)
     finally:
@@ -103,6 +103,7 @@ def test_path_dependent_processors_under_greedy(models):
     expected = target.generate(ids, **kw)
     for name in ("right", "partial"):
         assistant = hf_kvspec.DraftModelAssistant(drafts[name], num_draft_tokens=4)
-        out = target.generate(ids, custom_generate=hf_kvspec.speculative_generate, assistant=assistant, **kw)
-        assert torch.equal(out, expected), name
-        assert assistant.stats.mean_acceptance > 0.3
+        out = target.generate(ids, custom_generate=hf_kvspec.speculative_generate, assistant=assistant,
+                              return_dict_in_generate=True, **kw)
+        assert torch.equal(out.sequences, expected), name
+        assert out.acceptance.mean_acceptance > 0.3

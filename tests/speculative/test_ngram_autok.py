@@ -31,15 +31,16 @@ def test_ngram_greedy_is_exact_in_a_batch(k):
     expected = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=30, pad_token_id=0)
     assistant = hf_kvspec.NgramAssistant(max_ngram=3, num_draft_tokens=k)
     out = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=30, pad_token_id=0,
-                          custom_generate=hf_kvspec.speculative_generate, assistant=assistant)
-    assert torch.equal(out, expected)
-    assert assistant.stats.draft_forwards == 0 and sum(assistant.stats.accepted) > 0
+                          custom_generate=hf_kvspec.speculative_generate, assistant=assistant,
+                          return_dict_in_generate=True)
+    assert torch.equal(out.sequences, expected)
+    assert out.acceptance.draft_forwards == 0 and sum(out.acceptance.accepted) > 0
 
 
-def _outcome(k, accepted, draft_s, verify_s, prompt_tokens=0):
+def _outcome(k, accepted, draft_s, verify_s):
     num = torch.tensor(accepted)
     return RoundOutcome(kept_width=0, num_accepted=num, alive=torch.ones_like(num, dtype=torch.bool),
-                        num_draft_tokens=k, draft_time_s=draft_s, verify_time_s=verify_s, prompt_tokens=prompt_tokens)
+                        num_draft_tokens=k, draft_time_s=draft_s, verify_time_s=verify_s)
 
 
 def _feed(auto, k, accepted, draft_per_token, verify_base, slope=0.15):
@@ -61,13 +62,17 @@ def test_auto_k_falls_back_to_plain_decoding_and_probes():
     assert choices.count(0) >= 8 and max(choices) >= 1  # mostly plain decoding, with periodic probes
 
 
-def test_auto_k_ignores_the_cost_of_the_round_that_prefills_the_prompt():
+def test_auto_k_takes_every_round_as_a_cost_sample():
+    """The prompt is prefilled in a forward of its own, so every round (the first one too) is a cost sample."""
     auto = AutoDraftLength(max_draft_tokens=8)
-    auto.update(_outcome(4, [4], draft_s=30.0, verify_s=50.0, prompt_tokens=200))  # prompt forward: no cost sample
-    assert auto.verify_time.n == 0 and auto.draft_time.n == 0 and auto.alpha > 0.5  # acceptance still counts
-    for step in range(10):
-        _feed(auto, [2, 4][step % 2], [[2], [4]][step % 2], draft_per_token=0.001, verify_base=0.1)
-    assert auto.choose() >= 4  # the slow prompt round did not make drafting look expensive
+    auto.update(_outcome(4, [4], draft_s=0.3, verify_s=0.5))  # the call's first round
+    assert (auto.verify_time.n, auto.verify_time.sx, auto.verify_time.sy) == (1, 4, 0.5)
+    assert (auto.draft_time.n, auto.draft_time.sx, auto.draft_time.sy) == (1, 4, 0.3)
+    alpha = (auto.decay + 4) / (2 * auto.decay + 4)  # the decayed 1:1 prior plus 4 accepted, no rejection
+    assert auto.alpha == pytest.approx(alpha)
+    auto.update(_outcome(0, [0], draft_s=0.0, verify_s=0.1))  # a plain step: a verify sample only
+    assert auto.verify_time.n == pytest.approx(1 + auto.decay) and auto.draft_time.n == 1
+    assert auto.alpha == pytest.approx(alpha)
 
 
 def test_auto_k_refuses_a_draft_as_costly_as_the_target():

@@ -30,14 +30,15 @@ class _BatchSizes:
 
 
 def _speculative_batch_sizes(target, ids, mask, eos, assistant):
-    """Greedy speculative output and the batch size of every target forward."""
+    """Greedy speculative output, the call's AcceptanceStats and the batch size of every target forward."""
     sizes = _BatchSizes(target)
     try:
         out = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=MAX_NEW, pad_token_id=0,
-                              eos_token_id=eos, custom_generate=hf_kvspec.speculative_generate, assistant=assistant)
+                              eos_token_id=eos, custom_generate=hf_kvspec.speculative_generate, assistant=assistant,
+                              return_dict_in_generate=True)
     finally:
         sizes.remove()
-    return out, sizes.sizes
+    return out.sequences, out.acceptance, sizes.sizes
 
 
 def _ragged_eos(target, ids, mask, **kw):
@@ -63,18 +64,18 @@ def test_finished_rows_leave_the_batch_and_outputs_match_plain(models, name):
     ids, mask = batch(4)
     eos, expected = _ragged_eos(target, ids, mask)
     assistant = _assistants(drafts)[name]
-    out, sizes = _speculative_batch_sizes(target, ids, mask, eos, assistant)
+    out, stats, sizes = _speculative_batch_sizes(target, ids, mask, eos, assistant)
     assert torch.equal(out, expected)
-    assert assistant.stats.rows_dropped >= 1
+    assert stats.rows_dropped >= 1
     assert sizes[0] == 4 and sizes[-1] < 4  # later verify forwards ran on fewer rows
     assert sizes == sorted(sizes, reverse=True)
     # the drafter kept each remaining row's state: the same drafts get accepted as with every row kept
     kept = _assistants(drafts)[name]
-    target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=MAX_NEW, pad_token_id=0,
-                    eos_token_id=eos, custom_generate=hf_kvspec.speculative_generate, assistant=kept,
-                    cache=DynamicCache(config=target.config))
-    assert kept.stats.rows_dropped == 0
-    assert (assistant.stats.rounds, assistant.stats.accepted) == (kept.stats.rounds, kept.stats.accepted)
+    kept_stats = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=MAX_NEW, pad_token_id=0,
+                                 eos_token_id=eos, custom_generate=hf_kvspec.speculative_generate, assistant=kept,
+                                 cache=DynamicCache(config=target.config), return_dict_in_generate=True).acceptance
+    assert kept_stats.rows_dropped == 0
+    assert (stats.rounds, stats.accepted) == (kept_stats.rounds, kept_stats.accepted)
 
 
 def test_a_callers_cache_keeps_every_row(models):
@@ -107,13 +108,14 @@ def test_row_indexed_processors_still_see_the_callers_rows(models):
               prefix_allowed_tokens_fn=allowed)
     expected = target.generate(ids, **kw)
     assistant = hf_kvspec.DraftModelAssistant(drafts["right"], num_draft_tokens=4)
-    out = target.generate(ids, custom_generate=hf_kvspec.speculative_generate, assistant=assistant, **kw)
-    assert torch.equal(out, expected)
-    assert assistant.stats.rows_dropped >= 1
+    out = target.generate(ids, custom_generate=hf_kvspec.speculative_generate, assistant=assistant,
+                          return_dict_in_generate=True, **kw)
+    assert torch.equal(out.sequences, expected)
+    assert out.acceptance.rows_dropped >= 1
     # the draft's scores went through the same row-indexed processor: a copy of the target is never rejected
-    assert assistant.stats.mean_acceptance == 1.0
+    assert out.acceptance.mean_acceptance == 1.0
     for row in range(4):  # the constraint really depended on the row
-        generated = out[row, ids.shape[1]:]
+        generated = out.sequences[row, ids.shape[1]:]
         assert not ((generated % 4 == row) & (generated != eos) & (generated != 0)).any()
 
 
@@ -146,9 +148,9 @@ def test_sampling_with_rows_leaving_keeps_each_row_consistent(models):
     assistant = hf_kvspec.DraftModelAssistant(drafts["partial"], num_draft_tokens=4)
     out = target.generate(ids, attention_mask=mask, do_sample=True, temperature=0.7, max_new_tokens=MAX_NEW,
                           pad_token_id=0, eos_token_id=eos, custom_generate=hf_kvspec.speculative_generate,
-                          assistant=assistant)
-    generated = out[:, ids.shape[1]:]
-    assert assistant.stats.rows_dropped >= 1 and assistant.stats.mean_acceptance > 0.3
+                          assistant=assistant, return_dict_in_generate=True)
+    generated = out.sequences[:, ids.shape[1]:]
+    assert out.acceptance.rows_dropped >= 1 and out.acceptance.mean_acceptance > 0.3
     for row in generated:
         hits = (row == eos).nonzero()
         if hits.numel():  # everything after the first EOS is padding
@@ -165,9 +167,9 @@ def test_caches_that_cannot_drop_rows_keep_them(models):
     assistant = hf_kvspec.NgramAssistant(max_ngram=2, num_draft_tokens=4)
     out = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=MAX_NEW, pad_token_id=0,
                           eos_token_id=eos, custom_generate=hf_kvspec.speculative_generate, assistant=assistant,
-                          cache_implementation="static", max_cache_len=64)
-    assert torch.equal(out, expected)
-    assert assistant.stats.rows_dropped == 0
+                          cache_implementation="static", max_cache_len=64, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, expected)
+    assert out.acceptance.rows_dropped == 0
 
 
 def test_drafters_without_row_selection_keep_every_row(models):
@@ -180,9 +182,9 @@ def test_drafters_without_row_selection_keep_every_row(models):
         can_drop_rows = False
 
     assistant = RowStateNgram(max_ngram=2, num_draft_tokens=4)
-    out, sizes = _speculative_batch_sizes(target, ids, mask, eos, assistant)
+    out, stats, sizes = _speculative_batch_sizes(target, ids, mask, eos, assistant)
     assert torch.equal(out, expected)
-    assert assistant.stats.rows_dropped == 0 and set(sizes) == {4}
+    assert stats.rows_dropped == 0 and set(sizes) == {4}
 
 
 @pytest.mark.parametrize("bs", [1, 4])
@@ -196,7 +198,7 @@ def test_scores_of_rounds_that_drafted_nothing(models, bs):
     assistant = hf_kvspec.NgramAssistant(max_ngram=2, num_draft_tokens=3)
     out = target.generate(ids, custom_generate=hf_kvspec.speculative_generate, assistant=assistant, **kw)
     assert torch.equal(out.sequences, expected.sequences)
-    assert 0 in assistant.stats.draft_lengths  # the case under test happened
+    assert 0 in out.acceptance.draft_lengths  # the case under test happened
     assert len(out.scores) == len(expected.scores) == 8
     for ours, theirs in zip(out.scores + out.logits, expected.scores + expected.logits):
         torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)

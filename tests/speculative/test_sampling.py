@@ -62,11 +62,13 @@ def exact_joint(model, **sampling) -> torch.Tensor:
     return torch.einsum("a,ab,abc->bc", p1, p2, p3)
 
 
-def speculative_samples(target, assistant, max_new_tokens=4, **sampling) -> torch.Tensor:
+def speculative_samples(target, assistant, max_new_tokens=4, **sampling):
+    """(new tokens [N, max_new_tokens], the call's AcceptanceStats) of one speculative call over N rows."""
     ids = torch.tensor([PROMPT]).expand(N, -1)
     out = target.generate(ids, do_sample=True, max_new_tokens=max_new_tokens, pad_token_id=0,
-                          custom_generate=hf_kvspec.speculative_generate, assistant=assistant, **sampling)
-    return out[:, len(PROMPT):]
+                          custom_generate=hf_kvspec.speculative_generate, assistant=assistant,
+                          return_dict_in_generate=True, **sampling)
+    return out.sequences[:, len(PROMPT):], out.acceptance
 
 
 def _joint_tv(samples: torch.Tensor, exact: torch.Tensor) -> float:
@@ -94,9 +96,9 @@ def test_two_token_joint_matches_plain_sampling(pair, case, sample_drafts):
     assert _noise_floor(exact) < 0.008
     torch.manual_seed(0)
     assistant = hf_kvspec.DraftModelAssistant(draft, num_draft_tokens=3, sample_drafts=sample_drafts)
-    samples = speculative_samples(target, assistant, **sampling)
+    samples, stats = speculative_samples(target, assistant, **sampling)
     assert _joint_tv(samples, exact) < 0.01
-    assert 0.05 < assistant.stats.mean_acceptance < 0.95  # drafts were really verified, partly kept
+    assert 0.05 < stats.mean_acceptance < 0.95  # drafts were really verified, partly kept
 
 
 def test_default_top_k_50_on_a_larger_vocabulary():
@@ -104,7 +106,7 @@ def test_default_top_k_50_on_a_larger_vocabulary():
     target, draft = markov_pair(vocab_size=64, seed=1, sharpness=5.0)
     exact = exact_second_token(target)
     torch.manual_seed(1)
-    samples = speculative_samples(target, hf_kvspec.DraftModelAssistant(draft, num_draft_tokens=2))
+    samples, _ = speculative_samples(target, hf_kvspec.DraftModelAssistant(draft, num_draft_tokens=2))
     freq = torch.bincount(samples[:, 1], minlength=64).double() / N
     assert float((exact * (1 - exact) / (2 * math.pi * N)).sqrt().sum()) < 0.007
     assert 0.5 * float((freq - exact).abs().sum()) < 0.01
@@ -124,7 +126,7 @@ def test_negative_control_prefix_blind_processors_are_caught(pair, monkeypatch):
 
     monkeypatch.setattr(loop.PositionwiseProcessor, "__call__", prefix_blind)
     torch.manual_seed(0)
-    samples = speculative_samples(target, hf_kvspec.DraftModelAssistant(draft, num_draft_tokens=3,
-                                                                        sample_drafts=False), **sampling)
+    samples, _ = speculative_samples(target, hf_kvspec.DraftModelAssistant(draft, num_draft_tokens=3,
+                                                                           sample_drafts=False), **sampling)
     assert _joint_tv(samples, exact) > 0.02
 

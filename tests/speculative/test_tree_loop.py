@@ -20,7 +20,7 @@ from transformers.generation.logits_process import (
 
 import hf_kvspec
 from hf_kvspec import _compat
-from hf_kvspec.speculative.drafters.base import Drafter, DraftProposal
+from hf_kvspec.speculative.drafters.base import Assistant, DraftProposal
 from hf_kvspec.speculative.positions import History, PositionwiseProcessor
 from hf_kvspec.speculative.rounds import check_tree_attention, path_scores, path_scores_per_node
 from hf_kvspec.speculative.tree import CandidateTree
@@ -47,7 +47,7 @@ def _plain(target, ids, mask, **kw):
                            repetition_penalty=PENALTY, **kw)
 
 
-class TreeDrafter(Drafter):
+class TreeDrafter(Assistant):
     """Proposes a fixed topology (shared, or one per row) with tokens chosen by ``kind``:
     ``"oracle"``: nodes on the marked path carry the reference continuation, the others a different token;
     ``"random"``: every node a random token."""
@@ -117,9 +117,9 @@ def test_tree_greedy_matches_plain(target, kind, per_row, bs, cache_kind):
     ids, mask = batch(bs)
     expected = _plain(target, ids, mask)
     drafter = TreeDrafter(kind, expected, per_row, target.config.vocab_size)
-    out = _speculative(target, ids, mask, drafter, cache=_cache(cache_kind, target))
-    assert torch.equal(out, expected)
-    stats = drafter.stats
+    out = _speculative(target, ids, mask, drafter, cache=_cache(cache_kind, target), return_dict_in_generate=True)
+    assert torch.equal(out.sequences, expected)
+    stats = out.acceptance
     assert not stats.empty
     if kind == "oracle":  # the whole marked path (depth 3 or 4) is accepted until the end nears
         assert stats.accepted[2] >= 3 and stats.tokens_per_target_forward > 2.5
@@ -138,8 +138,9 @@ def test_tree_greedy_through_other_attention_functions(attn):
         model = tiny_model("llama", seed=0, attn_implementation=attn)
         cache = hf_kvspec.PagedCache(model.config, block_size=4, num_blocks=64) if attn == "kvspec_paged" else None
         drafter = TreeDrafter("oracle", expected, True, model.config.vocab_size)
-        assert torch.equal(_speculative(model, ids, mask, drafter, cache=cache), expected)
-        assert drafter.stats.accepted[2] >= 3
+        out = _speculative(model, ids, mask, drafter, cache=cache, return_dict_in_generate=True)
+        assert torch.equal(out.sequences, expected)
+        assert out.acceptance.accepted[2] >= 3
     finally:
         hf_kvspec.unregister()
 
@@ -290,9 +291,9 @@ def test_tree_sampling_end_to_end_smoke(target):
     # distribution itself is checked at the verifier level above, where 200k samples are cheap)
     out = target.generate(ids, attention_mask=mask, do_sample=True, temperature=0.05, top_k=20, max_new_tokens=12,
                           pad_token_id=0, repetition_penalty=PENALTY, custom_generate=hf_kvspec.speculative_generate,
-                          assistant=drafter)
-    assert out.shape[0] == 3 and out.shape[1] <= ids.shape[1] + 12
-    assert not drafter.stats.empty and sum(drafter.stats.accepted) > 0
+                          assistant=drafter, return_dict_in_generate=True)
+    assert out.sequences.shape[0] == 3 and out.sequences.shape[1] <= ids.shape[1] + 12
+    assert not out.acceptance.empty and sum(out.acceptance.accepted) > 0
 
 
 # ---------------------------------------------------------------------------------------------- refusals
@@ -306,11 +307,13 @@ def test_attention_without_4d_masks_is_refused(name):
 def test_flash_attention_target_is_refused(target, monkeypatch, declared):
     ids, mask = batch(1)
     monkeypatch.setattr(_compat, "attn_implementation", lambda config: "flash_attention_2")
-    drafter = TreeDrafter("random", ids, False, target.config.vocab_size)
+    verified = []
+    drafter = TreeDrafter("random", ids, False, target.config.vocab_size,
+                          on_round=lambda _, outcome: verified.append(outcome))
     drafter.proposes_trees = declared  # undeclared trees are refused when they arrive
     with pytest.raises(ValueError, match=r"flash_attention_2.*kvspec_gqa"):
         _speculative(target, ids, mask, drafter)
-    assert drafter.stats.empty
+    assert verified == []  # refused before any tree was verified
 
 
 def test_negative_control_path_blind_processors_are_caught(target, monkeypatch):

@@ -173,9 +173,9 @@ def test_heads_through_the_loop_match_plain_greedy(target, kind, heads, bs, cach
     expected = _plain(target, ids, mask)
     make, least_tau = ASSISTANTS[kind]
     assistant = make(target, expected if heads == "oracle" else None)
-    out = _speculative(target, ids, mask, assistant, cache=_cache(cache_kind, target))
-    assert torch.equal(out, expected)
-    stats = assistant.stats
+    out = _speculative(target, ids, mask, assistant, cache=_cache(cache_kind, target), return_dict_in_generate=True)
+    assert torch.equal(out.sequences, expected)
+    stats = out.acceptance
     if heads == "oracle":  # whole oracle paths accepted (the last rounds are cut short by max_new_tokens)
         assert stats.tokens_per_target_forward >= least_tau and stats.acceptance_rate[0] > 0.9
     else:  # a few lucky depth-1 hits among the tree's candidates (96-token vocabulary)
@@ -199,13 +199,13 @@ def test_eagle3_fused_features_come_from_hooks(target, heads):
         EagleAssistant(head, depth=4, top_k=2, total_tokens=10)
     seen, handle = _forward_kwargs(target)
     try:
-        out = _speculative(target, ids, mask, assistant)
+        out = _speculative(target, ids, mask, assistant, return_dict_in_generate=True)
     finally:
         handle.remove()
-    assert torch.equal(out, expected)
+    assert torch.equal(out.sequences, expected)
     assert seen and not any(kwargs.get("output_hidden_states") for kwargs in seen)
     if heads == "oracle":
-        assert assistant.stats.tokens_per_target_forward >= 2.5
+        assert out.acceptance.tokens_per_target_forward >= 2.5
 
 
 @pytest.mark.parametrize("max_new", [1, 2, 3, 5, 8])
@@ -213,11 +213,11 @@ def test_trees_near_max_new_tokens_keep_their_width_and_never_overshoot(target, 
     ids, mask = batch(3)
     expected = _plain(target, ids, mask, max_new=max_new)
     assistant = OracleEagle(eagle_head(target), expected, depth=4, top_k=3, total_tokens=9)
-    out = _speculative(target, ids, mask, assistant, max_new=max_new)
-    assert torch.equal(out, expected) and out.shape[1] == ids.shape[1] + max_new
+    out = _speculative(target, ids, mask, assistant, max_new=max_new, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, expected) and out.sequences.shape[1] == ids.shape[1] + max_new
     # the prefill emits one token; a round with room for one more draft still verifies a whole level (3 nodes), not
     # one node; a round with no room drafts nothing
-    lengths = assistant.stats.draft_lengths
+    lengths = out.acceptance.draft_lengths
     assert all(n == 0 or n >= 3 for n in lengths)
     assert (max(lengths, default=0) >= 3) == (max_new > 2)
 
