@@ -148,7 +148,7 @@ BAD_INPUTS = [
     ("QuantizedKVCache(config, sink_tokens=-1)", lambda: hf_kvspec.QuantizedKVCache(_model().config, sink_tokens=-1),
      ValueError, "sink_tokens=-1"),
     ("generate(custom_generate=speculative_generate)", lambda: _generate(), ValueError, "needs an assistant"),
-    ("generate(..., assistant='ngram')", lambda: _generate(assistant="ngram"), TypeError, "Drafter"),
+    ("generate(..., assistant='ngram')", lambda: _generate(assistant="ngram"), TypeError, "Assistant"),
     ("generate(..., assistant=NgramAssistant(), num_beams=2)",
      lambda: _generate(assistant=hf_kvspec.NgramAssistant(), num_beams=2), ValueError, "num_beams=1"),
 ]

@@ -151,7 +151,9 @@ class SpeculativeDecoder:
     # ------------------------------------------------------------------------------------------ one round
     def _round(self) -> None:
         """draft -> verify forward -> accept -> roll back / keep the path -> emit; chains and trees alike
-        (``rounds.py`` holds what differs), over the active rows."""
+        (``rounds.py`` holds what differs), over the active rows (rows that finished in the last round or in the
+        prefill leave first, when they may)."""
+        self.stats.rows_dropped += self.rows.leave(self.buffer, self.cache, self.assistant)  # rows that finished
         alive = self.rows.alive  # [A] rows generating in this round
         start = time.perf_counter()
         plan = plan_round(self._draft())  # draft: [A, N], a chain or a tree
@@ -167,7 +169,6 @@ class SpeculativeDecoder:
         hidden = plan.path_hidden(hidden, result.accepted_nodes, longest)
         self._telemetry(plan, result, kept, alive, hidden, drafted - start, verified - drafted)
         self.output.stream(self.rows.full, self.rows.call_alive())  # emit
-        self.stats.rows_dropped += self.rows.leave(self.buffer, self.cache, self.assistant)
 
     def _draft(self) -> DraftProposal:
         """The assistant's proposal ``[A, N]``, capped by the tokens left to generate: a path of ``room - 1`` drafts
@@ -242,7 +243,7 @@ def _cached_prompt(cache, prompt_len: int) -> int:
     is cropped by one column: the prefill needs the last prompt token's logits."""
     held = cache.get_seq_length() if cache is not None else 0
     if held >= prompt_len:
-        cache.crop(prompt_len - 1)
+        cache.crop(prompt_len - 1 - held)
         return prompt_len - 1
     return held
 

@@ -98,8 +98,10 @@ def test_draft_vocabulary_is_exact_and_drafts_only_its_ids(target, kind):
 def test_eagle_draft_vocabulary_tree_equals_the_full_heads_tree_when_it_holds_everything(target):
     """A draft vocabulary of every id, in a shuffled order: the same tree as the full projection."""
     ids, mask = batch(3)
-    full = EagleAssistant(eagle_head(target), depth=3, top_k=3, total_tokens=8)
-    shuffled = EagleAssistant(eagle_head(target), depth=3, top_k=3, total_tokens=8, draft_vocab_size=96,
+    # a fixed tree size: "auto" would choose sizes from measured times, which differ between the two runs
+    full = EagleAssistant(eagle_head(target), depth=3, top_k=3, total_tokens=8, num_draft_tokens=None)
+    shuffled = EagleAssistant(eagle_head(target), depth=3, top_k=3, total_tokens=8, num_draft_tokens=None,
+                              draft_vocab_size=96,
                               draft_vocab=torch.randperm(96, generator=torch.Generator().manual_seed(1)))
     runs = []
     for assistant in (full, shuffled):

@@ -147,8 +147,8 @@ def test_no_layer_processes_a_drafted_position_again(exit_layer):
     stats = out.acceptance
     for i in range(LAYERS):
         assert sorted(seen[i]) == sorted(seen[LAYERS - 1]), f"layer {i} did other work than the last layer"
-    # the first round feeds the prompt (P columns, nothing drafted); every later round N + 1 columns per layer
-    assert len(seen[0]) == ids.shape[1] + (stats.rounds - 1) + stats.draft_forwards
+    # the prefill feeds the prompt (P columns); every round N + 1 columns per layer (N drafted, then 1 in verify)
+    assert len(seen[0]) == ids.shape[1] + stats.rounds + stats.draft_forwards
 
 
 def _snapshot(model):

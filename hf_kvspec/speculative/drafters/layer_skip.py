@@ -117,7 +117,8 @@ class LayerSkipAssistant(Assistant):
         super().begin(target, buffer, target_hidden)
         self.stack = PartialForward(target)
         if self.skip_layers == "search":
-            self.search_result = self._searched_or_reused(target, buffer.tokens[:1, buffer.mask[0].bool()])
+            prompt = buffer.tokens[:1, :-1][:, buffer.mask[0, :-1].bool()]  # the first row's prompt (no padding)
+            self.search_result = self._searched_or_reused(target, prompt)
             self.skip_layers, self.search_log = list(self.search_result.skip_layers), list(self.search_result.log)
         elif self.search_result is not None:  # a set searched or loaded before: made for this config?
             where = str(self.search_file) if self.search_file else "this LayerSkipAssistant (searched earlier)"
