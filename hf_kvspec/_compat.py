@@ -11,6 +11,9 @@ changes under it (the name moved, or no longer behaves as relied on here).
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import transformers
 from packaging.version import Version
 
@@ -244,7 +247,8 @@ def _static_sliding_length(layer, length: int) -> None:
     layer.cumulative_length_int = length
 
 
-def _layer_length_setters() -> dict[type, object]:
+@functools.cache
+def _layer_length_setters() -> dict[type, Callable[[object, int], None]]:
     from transformers.cache_utils import (
         DynamicLayer,
         DynamicSlidingWindowLayer,

@@ -339,6 +339,20 @@ def test_set_layer_length_makes_an_edited_layer_equal_one_fed_the_kept_tokens(ki
     assert int(edited.get_seq_length()) == kept + 1 and edited.get_mask_sizes(1) == fed.get_mask_sizes(1)
 
 
+def test_dynamic_sliding_layer_keeps_the_last_window_minus_one_unless_recording():
+    """Canary for the rule ``set_layer_length`` restores on a DynamicSlidingWindowLayer (window 8 here)."""
+    states = torch.randn(1, 2, 10, 16, generator=torch.Generator().manual_seed(1))
+    layer = _edited_layer("dynamic-sliding", tiny_config("mistral"))
+    layer.update(states, states)
+    assert layer.keys.shape[2] == 7 and torch.equal(layer.keys, states[:, :, -7:])
+    recording = _edited_layer("dynamic-sliding-past", tiny_config("mistral"))
+    recording.update(states, states)
+    assert recording.keys.shape[2] == 10
+    recording.record_past = False  # as if it had stopped recording: the length setter trims to the window
+    _compat.set_layer_length(recording, 10)
+    assert torch.equal(recording.keys, states[:, :, -7:]) and recording.get_seq_length() == 10
+
+
 def test_editable_layer_types_are_transformers_own_four():
     names = sorted(kind.__name__ for kind in _compat.editable_layer_types())
     assert names == ["DynamicLayer", "DynamicSlidingWindowLayer", "StaticLayer", "StaticSlidingWindowLayer"]
