@@ -11,6 +11,9 @@ changes under it (the name moved, or no longer behaves as relied on here).
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import transformers
 from packaging.version import Version
 
@@ -212,6 +215,60 @@ def layer_types_and_kwargs(config) -> tuple[list[str], list[dict]]:
     from transformers.cache_utils import get_layer_types_and_kwargs
 
     return get_layer_types_and_kwargs(config)
+
+
+# transformers' own cache layers hf_kvspec edits in place (``cache.contract.keep_positions``): after the contract
+# rewrote a layer's public ``keys`` / ``values``, these set the layer's private token count. One entry per class,
+# exact types only (a subclass may carry state hf_kvspec would not edit); the table is the one place that says
+# which of transformers' layers the contract can crop per layer and keep positions in.
+
+def _dynamic_length(layer, length: int) -> None:
+    """``DynamicLayer``: its length is ``keys.shape[2]``, nothing else to set."""
+
+
+def _dynamic_sliding_length(layer, length: int) -> None:
+    """``DynamicSlidingWindowLayer``. Private: ``cumulative_length`` (an int: every token seen), and the rule that
+    ``keys`` hold only the last ``sliding_window - 1`` tokens unless ``record_past`` (``activate_past_recording``)."""
+    layer.cumulative_length = length
+    keep = layer.sliding_window - 1
+    if not layer.record_past and layer.keys.shape[2] > keep:
+        layer.keys, layer.values = layer.keys[:, :, -keep:], layer.values[:, :, -keep:]
+
+
+def _static_length(layer, length: int) -> None:
+    """``StaticLayer``. Private: ``cumulative_length``, a 0-d tensor updated in place (a static address for
+    torch.compile); the slots past it are stale, as after ``StaticLayer.crop``."""
+    layer.cumulative_length.fill_(length)
+
+
+def _static_sliding_length(layer, length: int) -> None:
+    """``StaticSlidingWindowLayer``: as ``StaticLayer``, plus its int mirror ``cumulative_length_int`` (private)."""
+    _static_length(layer, length)
+    layer.cumulative_length_int = length
+
+
+@functools.cache
+def _layer_length_setters() -> dict[type, Callable[[object, int], None]]:
+    from transformers.cache_utils import (
+        DynamicLayer,
+        DynamicSlidingWindowLayer,
+        StaticLayer,
+        StaticSlidingWindowLayer,
+    )
+
+    return {DynamicLayer: _dynamic_length, DynamicSlidingWindowLayer: _dynamic_sliding_length,
+            StaticLayer: _static_length, StaticSlidingWindowLayer: _static_sliding_length}
+
+
+def editable_layer_types() -> tuple[type, ...]:
+    """transformers' layer classes whose length ``set_layer_length`` can set (exact types)."""
+    return tuple(_layer_length_setters())
+
+
+def set_layer_length(layer, length: int) -> None:
+    """Make a transformers cache layer hold ``length`` tokens after its ``keys`` / ``values`` were rewritten (the
+    first ``length`` positions already hold the kept states). Only for ``editable_layer_types()``."""
+    _layer_length_setters()[type(layer)](layer, length)
 
 
 def sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs):

@@ -224,8 +224,8 @@ def _run_generate(args) -> None:
     torch.set_num_threads(args.threads)
     model, tokenizer = load_bundled_model(args.model)
     inputs = _prompt_ids(tokenizer, args.prompt, chat=not args.no_chat)
-    cache = make_cache(args.cache, model.config, max_tokens=inputs["input_ids"].shape[1] + args.max_new_tokens)
     enable_cache_attention(args.cache, model)  # e.g. kivi4 attends on its codes instead of dequantizing per step
+    cache = make_cache(args.cache, model.config, max_tokens=inputs["input_ids"].shape[1] + args.max_new_tokens)
     sampling = {"do_sample": True, "temperature": args.temperature} if args.temperature > 0 else {"do_sample": False}
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
     speculative = _speculative_kwargs(args, model)

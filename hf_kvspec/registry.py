@@ -14,7 +14,7 @@ _REGISTRARS: list[tuple[str, str, str]] = [
     ("hf_kvspec.heads.registration", "register_heads", "unregister_heads"),
     ("hf_kvspec.attention.paged", "register_paged_attention", "unregister_paged_attention"),
     ("hf_kvspec.attention.gqa", "register_gqa", "unregister_gqa"),
-    ("hf_kvspec.cache.quantized_attention", "register_quantized_attention", "unregister_quantized_attention"),
+    ("hf_kvspec.attention.quantized", "register_quantized_attention", "unregister_quantized_attention"),
 ]
 
 

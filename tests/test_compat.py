@@ -23,6 +23,7 @@ from transformers import (
     MistralConfig,
     PretrainedConfig,
     RepetitionPenaltyLogitsProcessor,
+    StaticCache,
 )
 
 from hf_kvspec import _compat
@@ -291,6 +292,70 @@ def test_layer_types_and_kwargs_per_layer():
     assert types == list(mixed.layer_types)
     assert [k.get("sliding_window") for k, t in zip(kwargs, types) if t == "sliding_attention"] == \
         [mixed.sliding_window] * types.count("sliding_attention")
+
+
+# one real layer of each class set_layer_length edits: (cache factory, exact layer class, recording past, held)
+_EDITED = {
+    "dynamic": (lambda c: DynamicCache(config=c), "DynamicLayer", False, 6),
+    "dynamic-sliding": (lambda c: DynamicCache(config=c), "DynamicSlidingWindowLayer", False, 6),
+    "dynamic-sliding-past": (lambda c: DynamicCache(config=c), "DynamicSlidingWindowLayer", True, 11),
+    "static": (lambda c: StaticCache(config=c, max_cache_len=16), "StaticLayer", False, 6),
+    "static-sliding": (lambda c: StaticCache(config=c, max_cache_len=8), "StaticSlidingWindowLayer", False, 6),
+}
+
+
+def _edited_layer(kind: str, config):
+    factory, class_name, record_past, _ = _EDITED[kind]
+    cache = factory(config)
+    if record_past:
+        cache.activate_past_recording()
+    layer = cache.layers[0]
+    assert type(layer).__name__ == class_name  # the class the table of _compat names
+    return layer
+
+
+@pytest.mark.parametrize("kind", sorted(_EDITED))
+def test_set_layer_length_makes_an_edited_layer_equal_one_fed_the_kept_tokens(kind):
+    """Canary for the private length fields (``cumulative_length``, ``cumulative_length_int``): a layer that held
+    ``n`` tokens, had its keys/values cut to the first ``n - 2`` (as keep_positions leaves them) and its length set,
+    must take the next token exactly as a layer fed those ``n - 2`` tokens directly."""
+    config = tiny_config("llama" if "sliding" not in kind else "mistral")  # mistral: sliding window 8
+    held = _EDITED[kind][3]
+    kept = held - 2
+    states = torch.randn(1, 2, held + 1, 16, generator=torch.Generator().manual_seed(0))
+    edited, fed = _edited_layer(kind, config), _edited_layer(kind, config)
+    edited.update(states[:, :, :held], -states[:, :, :held])
+    if not edited.is_compileable:  # dynamic: keys [B, H, S, D] become the kept tokens (static: stale slots stay)
+        drop = held - kept
+        edited.keys, edited.values = edited.keys[:, :, :-drop], edited.values[:, :, :-drop]
+    assert type(edited) in _compat.editable_layer_types()
+    _compat.set_layer_length(edited, kept)
+    fed.update(states[:, :, :kept], -states[:, :, :kept])
+    assert int(edited.get_seq_length()) == int(fed.get_seq_length()) == kept
+    assert edited.get_mask_sizes(1) == fed.get_mask_sizes(1)
+    new = (states[:, :, held:], -states[:, :, held:])
+    for got, expected in zip(edited.update(*new), fed.update(*new)):  # static: stale slots past the length differ
+        torch.testing.assert_close(got[:, :, :kept + 1], expected[:, :, :kept + 1], rtol=0, atol=0)
+    assert int(edited.get_seq_length()) == kept + 1 and edited.get_mask_sizes(1) == fed.get_mask_sizes(1)
+
+
+def test_dynamic_sliding_layer_keeps_the_last_window_minus_one_unless_recording():
+    """Canary for the rule ``set_layer_length`` restores on a DynamicSlidingWindowLayer (window 8 here)."""
+    states = torch.randn(1, 2, 10, 16, generator=torch.Generator().manual_seed(1))
+    layer = _edited_layer("dynamic-sliding", tiny_config("mistral"))
+    layer.update(states, states)
+    assert layer.keys.shape[2] == 7 and torch.equal(layer.keys, states[:, :, -7:])
+    recording = _edited_layer("dynamic-sliding-past", tiny_config("mistral"))
+    recording.update(states, states)
+    assert recording.keys.shape[2] == 10
+    recording.record_past = False  # as if it had stopped recording: the length setter trims to the window
+    _compat.set_layer_length(recording, 10)
+    assert torch.equal(recording.keys, states[:, :, -7:]) and recording.get_seq_length() == 10
+
+
+def test_editable_layer_types_are_transformers_own_four():
+    names = sorted(kind.__name__ for kind in _compat.editable_layer_types())
+    assert names == ["DynamicLayer", "DynamicSlidingWindowLayer", "StaticLayer", "StaticSlidingWindowLayer"]
 
 
 # --- self-speculation (partial_forward, EarlyExitAssistant, LayerSkipAssistant, ExitAdapter) ----------------------

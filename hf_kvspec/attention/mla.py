@@ -31,6 +31,7 @@ import functools
 
 import torch
 
+from hf_kvspec import stored_kv
 from hf_kvspec.attention.gqa import gqa_attention_forward
 from hf_kvspec.attention.masks import explicit_mask, implicit_causal, masked_softmax
 from hf_kvspec.attention.mla_weights import (
@@ -43,7 +44,6 @@ from hf_kvspec.attention.mla_weights import (
     supported_style,
 )
 from hf_kvspec.attention.patch import AttentionPatch
-from hf_kvspec.cache import channel
 
 __all__ = ["UnsupportedMLAError", "absorbed_forward", "enable_mla_absorb"]
 
@@ -85,8 +85,8 @@ def absorbed_forward(
 
 def _refuse_stored_form(kwargs: dict) -> None:
     """The absorbed path reads dense latents; a cache that handed over its stored form (pages, codes) did so
-    because the model's attention implementation reads it, which this forward replaces."""
-    stored = channel.received(kwargs)
+    because it was built for the model's attention implementation, which this forward replaces."""
+    stored = stored_kv.received(kwargs)
     if stored is not None:
         raise ValueError(f"enable_mla_absorb reads the latent cache as dense tensors, but the cache handed over "
                          f"{type(stored).__name__} for the model's attention implementation; load the model with "

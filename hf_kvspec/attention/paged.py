@@ -1,11 +1,11 @@
 """Paged attention: attention that reads K/V through a block table, registered with transformers as
 ``attn_implementation="kvspec_paged"`` (``AttentionInterface`` *and* ``AttentionMaskInterface``).
 
-Boundary: this module owns the attention math over paged K/V and its registration; the block tables
-come from ``hf_kvspec.cache.paged.PagedCache``, which hands a ``PagedKV`` over through the one cache ->
-attention channel (``hf_kvspec.cache.channel``; registering ``kvspec_paged`` declares it a reader of
-``PagedKV``). Given contiguous K/V and nothing handed over (any other cache, or none), the function is plain
-grouped attention. Masks (missing, bool, float, custom 4D, per head) follow ``masks.py``, as transformers'
+Boundary: this module owns the attention math over paged K/V and its registration; it imports no cache. The
+block tables come from ``hf_kvspec.cache.paged.PagedCache``, which hands a ``PagedKV`` over through the one
+cache -> attention channel (``hf_kvspec.stored_kv``) when it was built for a model running ``kvspec_paged``.
+Given contiguous K/V and nothing handed over (any other cache, or none), the function is plain grouped
+attention. Masks (missing, bool, float, custom 4D, per head) follow ``masks.py``, as transformers'
 sdpa does.
 
 Two paths, compared in ``tests/attention/test_paged_attention.py``:
@@ -26,25 +26,14 @@ Shape legend:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import ClassVar
-
 import torch
 import torch.nn.functional as F
 
+from hf_kvspec import stored_kv
 from hf_kvspec.attention.masks import explicit_mask, fold_mask, implicit_causal, masked_softmax, normalize_mask
-from hf_kvspec.cache import channel
+from hf_kvspec.stored_kv import PagedKV
 
-ATTN_NAME = "kvspec_paged"
-
-
-@dataclass(frozen=True)
-class PagedKV(channel.StoredKV):
-    """What a paged cache layer hands to the attention function through ``channel.KWARG``."""
-
-    reader: ClassVar[str] = ATTN_NAME
-    block_tables: torch.Tensor  # [B, M] int64 physical block ids, row b's token t in block [b, t // P]
-    kv_length: int  # S: tokens per row, cached + new (the same for every row)
+ATTN_NAME = PagedKV.reader  # "kvspec_paged"
 
 
 # ---- the two paths ---------------------------------------------------------------------------------
@@ -140,7 +129,7 @@ def paged_attention_forward(
         raise ValueError("kvspec_paged attention is inference-only; use attn_implementation='sdpa' to train.")
     if kwargs.get("s_aux") is not None:
         raise NotImplementedError("kvspec_paged attention does not support attention sinks (s_aux).")
-    paged_kv = channel.take(kwargs, PagedKV, ATTN_NAME)
+    paged_kv = stored_kv.take(kwargs, PagedKV)
     if paged_kv is not None:
         key = gather_blocks(key, paged_kv.block_tables, paged_kv.kv_length)
         value = gather_blocks(value, paged_kv.block_tables, paged_kv.kv_length)
@@ -168,7 +157,7 @@ def register_paged_attention() -> None:
     """Register ``kvspec_paged`` with ``AttentionInterface`` and ``AttentionMaskInterface``. Idempotent."""
     from hf_kvspec.attention.patch import register_attention
 
-    register_attention(ATTN_NAME, paged_attention_forward, paged_attention_mask, _previous, reads=PagedKV)
+    register_attention(ATTN_NAME, paged_attention_forward, paged_attention_mask, _previous)
 
 
 def unregister_paged_attention() -> None:

@@ -53,34 +53,28 @@ class AttentionPatch:
         return f"AttentionPatch({self.name!r}, {state}{', ' + self.details if self.details else ''})"
 
 
-def register_attention(name: str, forward: Callable, mask: Callable, saved: dict, reads: type | None = None) -> None:
+def register_attention(name: str, forward: Callable, mask: Callable, saved: dict) -> None:
     """Register ``forward`` with ``AttentionInterface`` and ``mask`` with ``AttentionMaskInterface`` under ``name``.
 
     The mask entry matters: for an unknown name transformers builds no mask and hands the function
     ``attention_mask=None``, silently ignoring padding. What held ``name`` before the first call is kept in
-    ``saved`` for ``unregister_attention``. ``reads``: the stored form (a ``channel.StoredKV`` subclass) the
-    function reads from the cache -> attention channel, declared with ``channel.register_reader``. Idempotent.
+    ``saved`` for ``unregister_attention``. Which stored form (``hf_kvspec.stored_kv``) a function reads is a
+    property of the form (``StoredKV.reader``), not of this registration. Idempotent.
     """
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
     from hf_kvspec import _compat
-    from hf_kvspec.cache import channel
 
     saved.setdefault(name, _compat.attention_entries(name))
     AttentionInterface.register(name, forward)
     AttentionMaskInterface.register(name, mask)
-    if reads is not None:
-        channel.register_reader(name, reads)
 
 
 def unregister_attention(name: str, saved: dict) -> None:
-    """Undo ``register_attention`` (and its reader declaration), restoring whatever held ``name`` before.
-    Safe to repeat."""
+    """Undo ``register_attention``, restoring whatever held ``name`` before. Safe to repeat."""
     from hf_kvspec import _compat
-    from hf_kvspec.cache import channel
 
-    channel.unregister_reader(name)
     if name in saved:
         _compat.restore_attention_entries(name, *saved.pop(name))
 

@@ -1,8 +1,8 @@
 """KV caches of hf_kvspec, and the one contract every cache here obeys.
 
 Boundary: storage of keys/values and the bookkeeping that rolls it back. Attention math lives in
-``hf_kvspec.attention`` (and ``quantized_attention.py`` for the codes); which tokens to keep is decided by the
-speculative loop. Public names are re-exported from ``hf_kvspec``.
+``hf_kvspec.attention`` (``paged.py`` for the pages, ``quantized.py`` for the codes), which never imports this
+package; which tokens to keep is decided by the speculative loop. Public names are re-exported from ``hf_kvspec``.
 
 The cache contract
 ==================
@@ -30,7 +30,9 @@ C6  **Refuse early.** An operation a cache cannot perform raises ``ValueError`` 
     anything changes (e.g. ``QuantizedKVCache.keep_positions`` on a segment already flushed into codes). Bad
     arguments get the same words from every cache: the checks are written once, in ``contract.py``
     (``layer_ids``, ``check_crop_length``, ``check_keep_args``, ``check_crop_arg``). What a cache can do is asked
-    once, up front: ``contract.check_contract(cache, keep_positions=..., per_layer=..., segment=...)``.
+    once, up front: ``contract.check_contract(cache, keep_positions=..., per_layer=..., segment=...)``, which reads
+    class flags (``contract.Capabilities``: ``keeps_positions``, ``crops_layers``, ``has_keep_capacity``) on
+    our caches and, for transformers' caches, the one table of layer classes it edits (in ``_compat``).
 
 Where each operation lives:
 
@@ -41,9 +43,12 @@ Where each operation lives:
     C4  keep_positions                keep_positions                      contract.keep_positions
     C5  reorder_cache, batch_*, reset QuantizedKVLayer (per layer)        transformers
 
-The one side channel (``channel.py``): when the model's attention implementation is one of ours that reads a
-cache's stored form (``kvspec_paged`` reads pages through block tables, ``kvspec_quant`` reads codes), the cache
-layer hands a ``StoredKV`` object to it through the kwargs transformers passes from ``cache.update`` to the
-attention function — one key, one owner (the cache layer writes it, our attention functions read it). With any
-other attention implementation ``update`` returns dense ``[B, Hkv, S, D]`` keys/values that any attention reads.
+The one side channel (``hf_kvspec.stored_kv``): when a cache is built for a model whose attention implementation
+is one of ours that reads its stored form (``kvspec_paged`` reads pages through block tables, ``kvspec_quant``
+reads codes), the cache layer hands a ``StoredKV`` object to it through the kwargs transformers passes from
+``cache.update`` to the attention function — one key, one owner (the cache layer writes it, our attention
+functions read it). Built under any other attention implementation, ``update`` returns dense ``[B, Hkv, S, D]``
+keys/values that any attention reads. The pairing is fixed at construction (``cache.paired_attention``): switching
+the model's attention later never changes what ``update`` returns (a paired cache refuses a forward its reader
+does not run).
 """

@@ -2,9 +2,12 @@
 
 Boundary: this module edits caches and answers what they can do; it decides nothing about which tokens to keep
 (the loop does) and builds no attention inputs. The contract itself (C1-C6) is the docstring of
-``hf_kvspec.cache``. Caches of ours (``QuantizedKVCache``, ``PagedCache``: objects with ``crop_layers`` /
-``keep_positions`` methods) are forwarded to; transformers' caches are edited through their public
-``layers[i].keys`` / ``.values`` tensors and lengths, layer by layer:
+``hf_kvspec.cache``. What a cache can do is read from class flags, as transformers declares ``is_croppable``:
+caches of ours (``QuantizedKVCache``, ``PagedCache``) subclass ``Capabilities`` and say which operations they
+implement themselves (those are forwarded to); transformers' caches are edited here through their public
+``layers[i].keys`` / ``.values`` tensors, layer by layer, and their private lengths are set by
+``_compat.set_layer_length``, whose table (``_compat.editable_layer_types()``) is the one place that lists the
+layer classes this module edits:
 
     DynamicLayer                 keys [B, H, S, D], length = keys.shape[2]; edits build new tensors
     DynamicSlidingWindowLayer    keys hold the newest tokens only (the last ``sliding_window - 1``, or all since
@@ -26,18 +29,27 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Iterable
+from typing import ClassVar
 
 import torch
-from transformers.cache_utils import (
-    BaseQuantizedLayer,
-    DynamicLayer,
-    DynamicSlidingWindowLayer,
-    StaticLayer,
-    StaticSlidingWindowLayer,
-)
+from transformers.cache_utils import BaseQuantizedLayer, DynamicSlidingWindowLayer, StaticSlidingWindowLayer
 
-_DYNAMIC = (DynamicLayer, DynamicSlidingWindowLayer)  # exact types: subclasses carry state we would not edit
-_STATIC = (StaticLayer, StaticSlidingWindowLayer)
+from hf_kvspec import _compat
+
+
+# ---------------------------------------------------------------------------------------------------- flags
+class Capabilities:
+    """Class flags of a cache of ours: the contract operations it implements itself (read by ``check_contract``
+    and forwarded to by ``crop_layers`` / ``keep_positions`` below). Rolling back (``crop(-k)``) is transformers'
+    own flag, ``is_croppable``."""
+
+    keeps_positions: ClassVar[bool] = False  # C4: keep_positions(start, indices, layers=None)
+    crops_layers: ClassVar[bool] = False  # C3 per layer: crop_layers(length, layers=None)
+    # keep_positions accepts only segments that fit a bound: check_keep_capacity(segment) refuses longer ones
+    has_keep_capacity: ClassVar[bool] = False
+
+
+_FLAGS = {"keep_positions": "keeps_positions", "crop_layers": "crops_layers"}  # contract operation -> its flag
 
 
 # ---------------------------------------------------------------------------------------------------- tensors
@@ -113,7 +125,8 @@ def seq_lengths(cache) -> list[int]:
 
 def crop_layers(cache, length: int, layers: Iterable[int] | None = None) -> None:
     """Keep the first ``length`` tokens of the given layers (all by default); the others are untouched (C3)."""
-    if callable(getattr(cache, "crop_layers", None)):
+    if isinstance(cache, Capabilities):
+        _require(cache, ["crop_layers"])
         cache.crop_layers(length, layers)
         return
     chosen = _chosen(cache, layers, "crop_layers")
@@ -129,7 +142,8 @@ def crop_layers(cache, length: int, layers: Iterable[int] | None = None) -> None
 def keep_positions(cache, start: int, indices: torch.Tensor, layers: Iterable[int] | None = None) -> None:
     """Move, in every row ``b``, position ``start + indices[b, j]`` to ``start + j`` and drop the rest of the
     newest segment (C4). indices [B, k] int64; each chosen layer then holds ``start + k`` tokens."""
-    if callable(getattr(cache, "keep_positions", None)):
+    if isinstance(cache, Capabilities):
+        _require(cache, ["keep_positions"])
         cache.keep_positions(start, indices, layers)
         return
     chosen = _chosen(cache, layers, "keep_positions")
@@ -139,15 +153,16 @@ def keep_positions(cache, start: int, indices: torch.Tensor, layers: Iterable[in
     for i in chosen:
         layer = cache.layers[i]
         if _length(layer) > start:  # an untouched (empty) segment needs no edit
-            _KEEPERS[type(layer)](layer, start, indices)
+            _keep_layer(layer, start, indices)
 
 
 def check_contract(cache, *, keep_positions: bool = False, per_layer: bool = False,
                    segment: int | None = None) -> None:
     """Refuse, by name and with the fix, a cache that cannot do what the caller will ask: roll back (always),
     keep positions of a segment of up to ``segment`` tokens (trees), crop a range of layers (self-speculation).
-    A cache that keeps positions only in a bounded window says so through ``check_keep_capacity(segment)``.
-    The one capability check of the package (``speculative.rollback.check_cache`` forwards to it)."""
+    A cache that keeps positions only in a bounded window (flag ``has_keep_capacity``) is asked
+    ``check_keep_capacity(segment)``. The one capability check of the package
+    (``speculative.rollback.check_cache`` forwards to it)."""
     if cache is None:
         return
     name = type(cache).__name__
@@ -155,17 +170,21 @@ def check_contract(cache, *, keep_positions: bool = False, per_layer: bool = Fal
         raise ValueError(_not_croppable(cache))
     if not (keep_positions or per_layer):
         return  # rolling back needs crop(-k) only, whatever the layers
-    wanted = [m for m, asked in (("keep_positions", keep_positions), ("crop_layers", per_layer)) if asked]
-    if any(callable(getattr(cache, m, None)) for m in ("keep_positions", "crop_layers")):
-        missing = [m for m in wanted if not callable(getattr(cache, m, None))]
-        if missing:
-            raise ValueError(f"{name} has no {' / '.join(missing)}(), which this decoding needs; use DynamicCache "
-                             "or a cache of hf_kvspec that implements the cache contract (hf_kvspec.cache).")
-        if keep_positions and callable(getattr(cache, "check_keep_capacity", None)):
+    if isinstance(cache, Capabilities):
+        _require(cache, [op for op, asked in (("keep_positions", keep_positions), ("crop_layers", per_layer)) if asked])
+        if keep_positions and cache.has_keep_capacity:
             cache.check_keep_capacity(segment or 1)
         return
     for i, layer in enumerate(cache.layers):
         _check_layer_kind(layer, i, name, keep_positions)
+
+
+def _require(cache: Capabilities, ops: list[str]) -> None:
+    """Refuse a cache of ours whose flags say it lacks one of the contract operations ``ops``."""
+    missing = [op for op in ops if not getattr(cache, _FLAGS[op])]
+    if missing:
+        raise ValueError(f"{type(cache).__name__} has no {' / '.join(missing)}(), which this decoding needs; use "
+                         "DynamicCache or a cache of hf_kvspec that implements the cache contract (hf_kvspec.cache).")
 
 
 # ---------------------------------------------------------------------------------------------------- layers
@@ -182,7 +201,7 @@ def _chosen(cache, layers: Iterable[int] | None, op: str) -> list[int]:
 
 def _check_layer_kind(layer, i: int, cache_name: str, keep: bool) -> None:
     kind = type(layer)
-    if kind not in _DYNAMIC + _STATIC:
+    if kind not in _compat.editable_layer_types():
         raise ValueError(f"{cache_name} layer {i} is a {kind.__name__}, which hf_kvspec cannot crop per layer or "
                          "keep positions in; use DynamicCache (or StaticCache) for speculative decoding.")
     if kind is StaticSlidingWindowLayer and not layer.is_croppable:
@@ -219,35 +238,19 @@ def _check_sliding_room(layer, i: int, start: int, new_length: int) -> None:
                          "forward that wrote the segment, and edit before the next crop.")
 
 
-def _keep_dynamic(layer, start: int, indices: torch.Tensor) -> None:
-    # keys [B, H, S, D] -> [B, H, start + k, D]; new tensors (the old ones may be held by a caller)
-    offset = _length(layer) - layer.keys.shape[2]  # 0 unless a sliding layer dropped old tokens
-    local = start - offset
-    for name in ("keys", "values"):
-        states = getattr(layer, name)
-        setattr(layer, name, torch.cat([states[:, :, :local], gather_segment(states[:, :, local:], indices)], 2))
-
-
-def _keep_sliding(layer, start: int, indices: torch.Tensor) -> None:
-    _keep_dynamic(layer, start, indices)
-    layer.cumulative_length = start + indices.shape[1]
-    keep = layer.sliding_window - 1
-    if not layer.record_past and layer.keys.shape[2] > keep:  # transformers' invariant: the last window - 1
-        layer.keys, layer.values = layer.keys[:, :, -keep:], layer.values[:, :, -keep:]
-
-
-def _keep_static(layer, start: int, indices: torch.Tensor) -> None:
-    # keys [B, H, max_cache_len, D], written in place (static address); the gather copies before the write
-    end, kept = _length(layer), start + indices.shape[1]
-    for states in (layer.keys, layer.values):
-        states[:, :, start:kept].copy_(gather_segment(states[:, :, start:end], indices))
-    layer.cumulative_length.fill_(kept)
-    if type(layer) is StaticSlidingWindowLayer:
-        layer.cumulative_length_int = kept
-
-
-_KEEPERS = {DynamicLayer: _keep_dynamic, DynamicSlidingWindowLayer: _keep_sliding,
-            StaticLayer: _keep_static, StaticSlidingWindowLayer: _keep_static}
+def _keep_layer(layer, start: int, indices: torch.Tensor) -> None:
+    """Rewrite one transformers layer's keys/values to ``start + k`` tokens, then set its length (``_compat``)."""
+    kept = start + indices.shape[1]
+    if layer.is_compileable:  # static: keys [B, H, max_cache_len, D] written in place (static address)
+        end = _length(layer)
+        for states in (layer.keys, layer.values):  # the gather copies before the write
+            states[:, :, start:kept].copy_(gather_segment(states[:, :, start:end], indices))
+    else:  # dynamic: keys [B, H, S, D] -> [B, H, start + k, D]; new tensors (a caller may hold the old ones)
+        local = start - (_length(layer) - layer.keys.shape[2])  # a sliding layer may have dropped old tokens
+        for name in ("keys", "values"):
+            states = getattr(layer, name)
+            setattr(layer, name, torch.cat([states[:, :, :local], gather_segment(states[:, :, local:], indices)], 2))
+    _compat.set_layer_length(layer, kept)
 
 
 def _not_croppable(cache) -> str:

@@ -47,10 +47,11 @@ def enable_cache_attention(name: str, model):
     """Switch ``model`` to the attention that reads cache ``name`` natively, if there is one.
 
     Quantized caches get ``kvspec_quant`` (scores and outputs from the stored codes, no dequantized history).
+    Call it before ``make_cache``: a cache pairs with the attention the model runs when it is built.
     Returns the patch (``.remove()`` restores the previous attention) or None when the cache needs no switch.
     """
     if name in _QUANTIZED:
-        from hf_kvspec.cache.quantized_attention import enable_quantized_attention
+        from hf_kvspec.attention.quantized import enable_quantized_attention
 
         return enable_quantized_attention(model)
     if name not in CACHE_CHOICES:

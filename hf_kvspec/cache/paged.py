@@ -5,7 +5,7 @@ C1-C6 written in the docstring of ``hf_kvspec.cache``.
 
 Boundary: this class drives the layers (``paged_layer.py``: one page tensor pair and one length per layer);
 *which* block holds which token is decided by ``BlockTables`` / ``BlockPool`` (plain Python). Attention over
-the pages is ``attention/paged.py``; the one cache -> attention channel is ``cache/channel.py``.
+the pages is ``attention/paged.py``; the one cache -> attention channel is ``hf_kvspec.stored_kv``.
 
 Per-layer lengths (C2): one block table per row, shared by all layers and sized to the longest layer
 (the table's *extent*); each layer keeps its own length and writes at it. One table rather than one per
@@ -19,9 +19,10 @@ A layer writing ``T`` tokens at its length ``s``:
        a copy duplicates the block on every layer's pages. Slots and the block-table tensor (``_Plan``) are
        cached by ``(s, T, device)`` and the tables' version: a normal forward computes them once.
     2. the layer scatters its K/V into its pages at those slots;
-    3. if the model's attention reads pages (``channel.reads_stored(config, PagedKV)``: ``kvspec_paged``),
-       the layer hands a ``PagedKV`` (block tables, this layer's length) over the channel and returns its
-       raw pages; otherwise it returns gathered contiguous K/V ``[B, Hkv, S, D]``;
+    3. if the cache was built for a model running the attention that reads pages (``kvspec_paged``: the
+       pairing is fixed at construction, ``paired_attention``), the layer hands a ``PagedKV`` (block tables,
+       this layer's length) over the channel and returns its raw pages; otherwise it returns gathered
+       contiguous K/V ``[B, Hkv, S, D]``, whatever attention the model switches to later;
     4. once the shortest layer has caught up, rows are *sealed* up to it: only blocks every layer has
        written are hashed for prefix caching (a half-written block must never be served).
 Rollback (``crop``, ``crop_layers``, ``keep_positions``) sets layer lengths and frees the blocks past the
@@ -64,14 +65,13 @@ from collections.abc import Iterable
 import torch
 from transformers.cache_utils import Cache
 
-from hf_kvspec import _compat
-from hf_kvspec.attention.paged import PagedKV
+from hf_kvspec import _compat, stored_kv
 from hf_kvspec.memory import kv_bytes_per_token, parse_bytes
+from hf_kvspec.stored_kv import PagedKV
 
-from . import channel
 from .block_pool import BlockPool
 from .block_table import BlockTables
-from .contract import check_crop_arg, check_crop_length, check_keep_args, layer_ids
+from .contract import Capabilities, check_crop_arg, check_crop_length, check_keep_args, layer_ids
 from .paged_layer import PagedLayer
 
 _SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -79,7 +79,7 @@ DEFAULT_BLOCK_SIZE = 16  # tokens per page
 _DEFAULT_BUDGET_FRACTION = 0.25  # of free device memory, when neither num_blocks nor memory_budget is given
 
 
-class PagedCache(Cache):
+class PagedCache(Cache, Capabilities):
     """A paged KV cache usable as ``model.generate(ids, cache=PagedCache(model.config, ...))``; it obeys the
     cache contract C1-C6 (docstring of ``hf_kvspec.cache``), how is in this module's docstring.
 
@@ -96,7 +96,13 @@ class PagedCache(Cache):
         dtype: dtype of the pages (default: the config's, else float32, when the pool is sized from the
             budget; otherwise that of the first K/V stored). K/V of another dtype is refused, so
             ``nbytes() <= memory_budget`` holds.
+
+    ``paired_attention`` is ``"kvspec_paged"`` when the config's model ran that attention at construction (the
+    layers then hand their pages to it), else None (they return gathered K/V); it never changes afterwards.
     """
+
+    keeps_positions = True  # contract.Capabilities flags: C4 for any segment held, C3 per layer
+    crops_layers = True
 
     def __init__(
         self,
@@ -124,6 +130,7 @@ class PagedCache(Cache):
         self.pool = BlockPool(num_blocks, block_size)
         self.tables = BlockTables(self.pool, enable_prefix_caching, cache_salt)
         self._config = text_config
+        self.paired_attention = stored_kv.paired_reader(text_config, PagedKV)
         self._plans: dict[tuple, _Plan] = {}  # (start, T, device) -> slots of a write; valid for one tables version
         self._sealed = 0  # every row is sealed at least this far (T5 of block_table.py)
 
@@ -137,8 +144,8 @@ class PagedCache(Cache):
         plan = self._plan(layer.cumulative_length, key_states.shape[-2], key_states.device)
         layer.write(plan.slots, key_states, value_states)
         self._seal_complete()
-        if kwargs is not None and channel.reads_stored(self._config, PagedKV):
-            channel.hand_over(kwargs, plan.view)
+        if kwargs is not None and self.paired_attention is not None:
+            stored_kv.hand_over(kwargs, plan.view, self._config, "PagedCache")
             return layer.keys, layer.values
         return layer.gather(plan.view)
 

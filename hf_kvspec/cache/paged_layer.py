@@ -14,7 +14,8 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from hf_kvspec.attention.paged import PagedKV, gather_blocks
+from hf_kvspec.attention.paged import gather_blocks
+from hf_kvspec.stored_kv import PagedKV
 
 
 class PagedLayer(CacheLayerMixin):

@@ -2,12 +2,12 @@
 
 Boundary: a transformers ``Cache`` whose layers keep attention-sink tokens and a residual window in full
 precision and flush older tokens into a ``QuantizedStore``. It obeys the cache contract (C1-C6) written in the
-docstring of ``hf_kvspec.cache``; the rules below are how it does so. What a layer returns from ``update``
-depends on whether the model's attention reads the stored form (``channel.reads_stored``): with ``kvspec_quant``
-(``enable_quantized_attention(model)``) it returns its window and hands its codes over the one side channel
-(``channel.hand_over``, a ``QuantizedKV``, see ``quantized_attention.py``) for forwards of up to
-``MAX_FUSED_QUERIES`` tokens; otherwise (any other attention, long prefills) it returns every token's
-keys/values, the store dequantized — the reference path, which any attention can read.
+docstring of ``hf_kvspec.cache``; the rules below are how it does so. What a layer returns from ``update`` is
+fixed when the cache is built (``paired_attention``): built for a model running ``kvspec_quant``
+(``enable_quantized_attention(model)`` first), it returns its window and hands its codes over the one side
+channel (``hf_kvspec.stored_kv``, a ``QuantizedKV``, read by ``hf_kvspec.attention.quantized``) for forwards of
+up to ``MAX_FUSED_QUERIES`` tokens; otherwise (built under any other attention, or a long prefill) it returns
+every token's keys/values, the store dequantized — the reference path, which any attention can read.
 
 One layer holds, in token order::
 
@@ -71,11 +71,18 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from hf_kvspec.cache import channel
-from hf_kvspec.cache.contract import check_crop_arg, check_crop_length, check_keep_args, gather_segment, layer_ids
-from hf_kvspec.cache.quantized_attention import MAX_FUSED_QUERIES, QuantizedKV
+from hf_kvspec import stored_kv
+from hf_kvspec.cache.contract import (
+    Capabilities,
+    check_crop_arg,
+    check_crop_length,
+    check_keep_args,
+    gather_segment,
+    layer_ids,
+)
 from hf_kvspec.cache.quantized_stores import Fp8Store, Int8Store, KiviStore, QuantizedStore, Workspace
 from hf_kvspec.memory import check_quant_params, head_dim, is_mla, quantized_token_split
+from hf_kvspec.stored_kv import MAX_FUSED_QUERIES, QuantizedKV
 
 METHODS = ("kivi", "int8", "fp8")
 _DEFAULTS = {  # method -> (bits, group_size, residual_length)
@@ -182,7 +189,9 @@ class QuantizedKVLayer(CacheLayerMixin):
     def __init__(self, settings: QuantSettings, config=None, workspace: Workspace | None = None):
         super().__init__()
         self.settings = settings
-        self.config = config  # the model's (text) config: tells which attention implementation reads this layer
+        self.config = config  # the model's (text) config
+        # "kvspec_quant" when the model ran it at construction: the codes are handed to it (fixed for good)
+        self.paired_attention = stored_kv.paired_reader(config, QuantizedKV)
         self.workspace = workspace or Workspace()
         self.store = settings.new_store()
         self.sink_keys = self.sink_values = None  # [B, H, <=n_sink, D]
@@ -207,14 +216,15 @@ class QuantizedKVLayer(CacheLayerMixin):
         self._flush()
         # either way the forward reads exactly what is stored (see "Read rule")
         if self._fused_read(kwargs, new_tokens):
-            channel.hand_over(kwargs, QuantizedKV(self.store, self.sink_keys, self.sink_values, self.workspace))
+            stored_kv.hand_over(kwargs, QuantizedKV(self.store, self.sink_keys, self.sink_values, self.workspace),
+                                self.config, "QuantizedKVCache")
             return self.keys, self.values
         return self._assemble()
 
     def _fused_read(self, kwargs: dict | None, new_tokens: int) -> bool:
         """Whether this forward's attention reads the codes (``kvspec_quant``; see the module docstring)."""
-        return (kwargs is not None and self.store.length > 0 and new_tokens <= MAX_FUSED_QUERIES
-                and channel.reads_stored(self.config, QuantizedKV))
+        return (self.paired_attention is not None and kwargs is not None and self.store.length > 0
+                and new_tokens <= MAX_FUSED_QUERIES)
 
     def _fill_sinks(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Move the first tokens into the sinks until ``sink_tokens`` are held; return the rest."""
@@ -349,7 +359,7 @@ class QuantizedKVLayer(CacheLayerMixin):
         raise NotImplementedError("QuantizedKVCache does not support offloading; it already shrinks the cache.")
 
 
-class QuantizedKVCache(Cache):
+class QuantizedKVCache(Cache, Capabilities):
     """KIVI int2/int4 (default), int8 or fp8 KV cache; pass it as ``model.generate(..., cache=QuantizedKVCache(...))``.
     It obeys the cache contract C1-C6 (docstring of ``hf_kvspec.cache``) by the rules of this module's docstring.
 
@@ -362,7 +372,14 @@ class QuantizedKVCache(Cache):
             ``group_size``; int8/fp8 default 0).
         method: ``"kivi"``, ``"int8"`` (symmetric per token and head) or ``"fp8"`` (e4m3, per-head scales).
         sink_tokens: first tokens kept at full precision forever (attention sinks).
+
+    ``paired_attention`` is ``"kvspec_quant"`` when the config's model ran that attention at construction (the
+    layers then hand their codes to it), else None (they return dequantized keys/values); it never changes.
     """
+
+    keeps_positions = True  # contract.Capabilities flags: C4 inside the window only, C3 per layer
+    crops_layers = True
+    has_keep_capacity = True  # check_keep_capacity(segment): the window must hold the segment
 
     def __init__(self, config, bits: int | None = None, group_size: int | None = None,
                  residual_length: int | None = None, method: str = "kivi", sink_tokens: int = 0):
@@ -378,6 +395,7 @@ class QuantizedKVCache(Cache):
         workspace = Workspace()  # one unpacking buffer for all layers (they attend one after another)
         layers = [QuantizedKVLayer(self.settings, text_config, workspace) for _ in range(text_config.num_hidden_layers)]
         super().__init__(layers=layers)
+        self.paired_attention = layers[0].paired_attention if layers else None
 
     def nbytes(self) -> int:
         """Bytes actually stored over all layers. For a cache grown by updates this equals

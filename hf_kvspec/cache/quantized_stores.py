@@ -6,8 +6,9 @@ quantizes new tokens and concatenates their codes; old codes are never touched),
 re-indexed along the batch (beam search).
 
 Two ways to read a store: ``dequantize_into`` (the reference: full-precision keys/values for any attention) and
-the fused pair ``key_scores`` / ``weighted_values`` used by ``quantized_attention``, which fold the scales into
-the (few) query rows and attention weights instead of applying them to the (many) stored elements.
+the fused pair ``key_scores`` / ``weighted_values`` (``hf_kvspec.stored_kv.CodeStore``) read by
+``hf_kvspec.attention.quantized``, which fold the scales into the (few) query rows and attention weights instead
+of applying them to the (many) stored elements.
 
 Shape legend: ``B`` batch, ``H`` kv heads, ``S`` stored tokens, ``D`` head dim, ``G`` group size,
 ``M`` query rows per kv head (query heads per kv head × new tokens).

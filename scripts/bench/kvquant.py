@@ -78,7 +78,7 @@ def run(args) -> None:
         args.segments, args.segment_len, args.prefix, args.contexts = 1, 320, 128, [256]
         args.decode_steps, args.prompts, args.prompt_len, args.new_tokens = 4, 4, 64, 16
     from hf_kvspec import load_bundled_model
-    from hf_kvspec.cache.quantized_attention import register_quantized_attention
+    from hf_kvspec.attention.quantized import register_quantized_attention
     from hf_kvspec.corpus import load_text_corpus
 
     register_quantized_attention()
@@ -266,6 +266,7 @@ def _decode_speeds(model, prompt, names, args) -> dict[int, dict[str, float]]:
     for ctx in args.contexts:
         caches, tokens, seconds, steps = {}, {}, dict.fromkeys(names, 0.0), {}
         for name in names:
+            _use_attention(model, name)  # a cache pairs with the attention the model runs when it is built
             caches[name] = _make(name, model.config)
             for idx, layer in enumerate(full.layers):
                 caches[name].update(layer.keys[:, :, :ctx], layer.values[:, :, :ctx], idx)

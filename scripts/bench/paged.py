@@ -92,6 +92,7 @@ def decode_part(model, args, report: Report) -> None:
 
             caches = {"dynamic": ("sdpa", _filled_cache(model, DynamicCache(config=model.config), batch, length))}
             for attn in ("sdpa", ATTN_NAME):
+                model.set_attn_implementation(attn)  # a cache pairs with the attention the model runs when built
                 pages = PagedCache(model.config, block_size=block, num_blocks=blocks)
                 caches[attn] = (attn, _filled_cache(model, pages, batch, length))
             times = _decode_times(model, caches, batch, args.decode_steps, args.repeats)

@@ -21,9 +21,6 @@ same rounding carried through 2-3 layers and the LM head (measured at most 2e-7;
 
 from __future__ import annotations
 
-import dataclasses
-from types import SimpleNamespace
-
 import pytest
 import torch
 from transformers import AttentionInterface, DynamicCache, StaticCache
@@ -36,22 +33,20 @@ from hf_kvspec.attention.gqa import enable_gqa, gqa_attention_forward, register_
 from hf_kvspec.attention.mla import enable_mla_absorb
 from hf_kvspec.attention.paged import ATTN_NAME as PAGED
 from hf_kvspec.attention.paged import (
-    PagedKV,
     paged_attention_forward,
     reference_paged_attention,
     register_paged_attention,
     unregister_paged_attention,
 )
-from hf_kvspec.cache import channel
-from hf_kvspec.cache.quantized import QuantizedKVCache
-from hf_kvspec.cache.quantized_attention import ATTN_NAME as QUANT
-from hf_kvspec.cache.quantized_attention import (
-    QuantizedKV,
+from hf_kvspec.attention.quantized import ATTN_NAME as QUANT
+from hf_kvspec.attention.quantized import (
     quantized_attention_forward,
     reference_quantized_attention,
     register_quantized_attention,
     unregister_quantized_attention,
 )
+from hf_kvspec.cache.quantized import QuantizedKVCache
+from hf_kvspec.stored_kv import KWARG, PagedKV, QuantizedKV
 from tests.tiny_models import tiny_config, tiny_model
 
 PREFIX, NODES, PADS = 6, 7, (0, 2)
@@ -175,7 +170,7 @@ def test_kvspec_paged(kind, heads, paged):
         key_pages, value_pages, tables = to_pages(key, value)
         view = PagedKV(tables, PREFIX + NODES)
         got, _ = paged_attention_forward(_Attention(3), query, key_pages, value_pages, mask, scaling=0.25,
-                                         **{channel.KWARG: view})
+                                         **{KWARG: view})
         oracle = reference_paged_attention(query, key_pages, value_pages, tables, PREFIX + NODES, mask, 0.25)
         torch.testing.assert_close(oracle, expected, atol=ATOL, rtol=0)
     torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
@@ -188,7 +183,7 @@ def test_kvspec_paged_softcap_path(kind):
     keep = tree_keep()
     key_pages, value_pages, tables = to_pages(key, value)
     got, _ = paged_attention_forward(_Attention(3), query, key_pages, value_pages, form(keep, kind), scaling=0.25,
-                                     softcap=5.0, **{channel.KWARG: PagedKV(tables, PREFIX + NODES)})
+                                     softcap=5.0, **{KWARG: PagedKV(tables, PREFIX + NODES)})
     expected, _ = softcap_eager_attention(_Attention(3), query, key, value, as_float(keep), scaling=0.25, softcap=5.0)
     torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
 
@@ -219,7 +214,7 @@ def test_kvspec_quant(kind, heads, name):
     keep = tree_keep(QUANT_PREFIX, heads)
     scaling = 64 ** -0.5
     got, _ = quantized_attention_forward(_Attention(3), query, window_key, window_value, form(keep, kind),
-                                         scaling=scaling, **{channel.KWARG: view})
+                                         scaling=scaling, **{KWARG: view})
     oracle = reference_quantized_attention(query, dense_key, dense_value, form(keep, kind), scaling)
     expected = reference(query, dense_key, dense_value, keep, scaling)  # transformers over the dequantized copy
     torch.testing.assert_close(oracle, expected, atol=ATOL, rtol=0)
@@ -314,7 +309,7 @@ def test_one_fully_masked_row_rule(kind):
     else:
         assert torch.equal(expected[0, 3], torch.zeros_like(expected[0, 3]))
     key_pages, value_pages, tables = to_pages(key, value)
-    view = {channel.KWARG: PagedKV(tables, PREFIX + NODES)}
+    view = {KWARG: PagedKV(tables, PREFIX + NODES)}
     ours = {
         "gqa": gqa_attention_forward(_Attention(3), query, key, value, mask, scaling=0.25)[0],
         "paged": paged_attention_forward(_Attention(3), query, key_pages, value_pages, mask, scaling=0.25, **view)[0],
@@ -331,41 +326,25 @@ def test_one_fully_masked_row_rule(kind):
     mask = form(keep, kind)
     expected, _ = SDPA(_Attention(3), query, dense_key, dense_value, mask, scaling=0.125)
     fused, _ = quantized_attention_forward(_Attention(3), query, window_key, window_value, mask, scaling=0.125,
-                                           **{channel.KWARG: view})
+                                           **{KWARG: view})
     torch.testing.assert_close(fused, expected, atol=ATOL, rtol=0)
     oracle = reference_quantized_attention(query, dense_key, dense_value, mask, 0.125)
     torch.testing.assert_close(oracle, expected, atol=ATOL, rtol=0)
 
 
 # ---------------------------------------------------------------------------------------------- the channel
-def test_stored_forms_are_channel_objects_and_registration_declares_the_reader():
-    view = PagedKV(torch.zeros(1, 1, dtype=torch.long), 1)
-    assert isinstance(view, channel.StoredKV) and issubclass(QuantizedKV, channel.StoredKV)
-    with pytest.raises(dataclasses.FrozenInstanceError):
-        view.kv_length = 2
-    for name, stored, register, unregister in ((PAGED, PagedKV, register_paged_attention, unregister_paged_attention),
-                                               (QUANT, QuantizedKV, register_quantized_attention,
-                                                unregister_quantized_attention)):
-        config = SimpleNamespace(_attn_implementation=name)
-        register()
-        assert channel.reads_stored(config, stored)
-        assert not channel.reads_stored(config, QuantizedKV if stored is PagedKV else PagedKV)
-        unregister()
-        assert not channel.reads_stored(config, stored)
-
-
 def test_channel_is_read_and_a_wrong_stored_form_is_refused():
     query, key, value = qkv()
     key_pages, value_pages, tables = to_pages(key, value)
     expected = reference(query, key, value, tree_keep())
     wrong = PagedKV(tables.flip(0), PREFIX + NODES)  # the rows' tables swapped: another answer
     got, _ = paged_attention_forward(_Attention(3), query, key_pages, value_pages, tree_keep(), scaling=0.25,
-                                     **{channel.KWARG: PagedKV(tables, PREFIX + NODES)})
+                                     **{KWARG: PagedKV(tables, PREFIX + NODES)})
     torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
     with pytest.raises(TypeError, match="kvspec_quant"):
-        paged_attention_forward(_Attention(3), query, key, value, None, **{channel.KWARG: object.__new__(QuantizedKV)})
+        paged_attention_forward(_Attention(3), query, key, value, None, **{KWARG: object.__new__(QuantizedKV)})
     with pytest.raises(TypeError, match="kvspec_paged"):
-        quantized_attention_forward(_Attention(3), query, key, value, None, **{channel.KWARG: wrong})
+        quantized_attention_forward(_Attention(3), query, key, value, None, **{KWARG: wrong})
 
 
 def test_a_mask_with_a_wrong_head_count_names_the_fix():

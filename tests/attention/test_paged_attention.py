@@ -9,14 +9,13 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from hf_kvspec.attention.paged import (
     ATTN_NAME,
-    PagedKV,
     paged_attention_forward,
     paged_attention_mask,
     reference_paged_attention,
     register_paged_attention,
     unregister_paged_attention,
 )
-from hf_kvspec.cache.channel import KWARG
+from hf_kvspec.stored_kv import KWARG, PagedKV
 
 # fp32 SDPA vs einsum-softmax on D=16: reassociation error is ~1e-7 per element; 1e-5 leaves margin
 TOL = dict(rtol=1e-5, atol=1e-5)

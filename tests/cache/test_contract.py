@@ -200,6 +200,24 @@ def test_static_sliding_layer_longer_than_its_window_is_refused():
         contract.crop_layers(cache, 0)
 
 
+def test_capabilities_are_class_flags_of_our_caches():
+    from hf_kvspec.cache.paged import PagedCache
+
+    flags = lambda cls: (cls.keeps_positions, cls.crops_layers, cls.has_keep_capacity)  # noqa: E731
+    assert flags(PagedCache) == (True, True, False) and flags(QuantizedKVCache) == (True, True, True)
+    assert not isinstance(DynamicCache(config=LLAMA), contract.Capabilities)  # transformers': the layer table decides
+
+    class NoKeep(QuantizedKVCache):  # a cache of ours that does not keep positions: refused by its flag, by name
+        keeps_positions = False
+
+    cache = NoKeep(LLAMA, method="int8", residual_length=8)
+    contract.check_contract(cache, per_layer=True)
+    for call in (lambda: contract.check_contract(cache, keep_positions=True),
+                 lambda: contract.keep_positions(cache, 0, torch.zeros(1, 0, dtype=torch.long))):
+        with pytest.raises(ValueError, match=r"NoKeep has no keep_positions\(\)"):
+            call()
+
+
 def test_contract_accepts_what_it_supports():
     for cache in (DynamicCache(config=LLAMA), StaticCache(config=LLAMA, max_cache_len=MAX),
                   QuantizedKVCache(LLAMA, method="int8", residual_length=8), None):

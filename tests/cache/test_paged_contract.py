@@ -13,12 +13,13 @@ from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from hf_kvspec.attention.paged import ATTN_NAME, PagedKV, register_paged_attention, unregister_paged_attention
-from hf_kvspec.cache import channel
+from hf_kvspec import stored_kv
+from hf_kvspec.attention.paged import ATTN_NAME, register_paged_attention, unregister_paged_attention
 from hf_kvspec.cache.block_pool import BlockPool, OutOfBlocksError
 from hf_kvspec.cache.block_table import BlockTables
 from hf_kvspec.cache.paged import PagedCache
 from hf_kvspec.cache.prefix_hash import block_hashes
+from hf_kvspec.stored_kv import PagedKV
 from tests.tiny_models import tiny_config, tiny_model
 
 LAYERS, HEADS, DIM = 3, 2, 4  # the contract tests drive the cache directly: [B, HEADS, T, DIM] K/V per layer
@@ -262,24 +263,33 @@ def test_blocks_are_hashed_only_once_every_layer_wrote_them():
 
 
 # ---- C1 + the channel ---------------------------------------------------------------------------------------
-def test_update_hands_pages_over_the_channel_only_to_a_registered_reader():
+def test_update_hands_pages_over_only_when_built_for_the_reader():
+    """What ``update`` returns is fixed at construction: gathered K/V for a cache built under sdpa, whatever the
+    model runs later; pages + PagedKV for one built under kvspec_paged, which refuses a model switched away."""
     model = tiny_model("llama", attn_implementation="sdpa")
-    cache = PagedCache(model.config, block_size=4, num_blocks=8)
+    dense = PagedCache(model.config, block_size=4, num_blocks=8)
     content = torch.ones(1, 2, 3, 16)
-    kwargs: dict = {}
-    keys, _ = cache.update(content, content, 0, kwargs=kwargs)
-    assert channel.KWARG not in kwargs and keys.shape == (1, 2, 3, 16)  # gathered for sdpa
     register_paged_attention()
     model.set_attn_implementation(ATTN_NAME)
     try:
-        cache.update(content[:, :, :2], content[:, :, :2], 1, kwargs=kwargs)
-        keys, _ = cache.update(content[:, :, :1], content[:, :, :1], 0, kwargs=kwargs)
+        paged = PagedCache(model.config, block_size=4, num_blocks=8)
+        kwargs: dict = {}
+        keys, _ = dense.update(content, content, 0, kwargs=kwargs)  # built under sdpa: still gathered
+        assert stored_kv.KWARG not in kwargs and keys.shape == (1, 2, 3, 16)
+        assert (dense.paired_attention, paged.paired_attention) == (None, ATTN_NAME)
+        paged.update(content[:, :, :2], content[:, :, :2], 1, kwargs=kwargs)
+        keys, _ = paged.update(content[:, :, :1], content[:, :, :1], 0, kwargs=kwargs)
+        handed = kwargs[stored_kv.KWARG]
+        assert isinstance(handed, PagedKV) and handed.kv_length == 1  # layer 0's own length
+        assert keys is paged.layers[0].keys  # the raw pages
     finally:
         model.set_attn_implementation("sdpa")
         unregister_paged_attention()
-    handed = kwargs[channel.KWARG]
-    assert isinstance(handed, PagedKV) and handed.kv_length == 4  # layer 0's own length
-    assert keys is cache.layers[0].keys  # the raw pages
+    with pytest.raises(ValueError, match="now runs 'sdpa'"):  # raw pages must never reach sdpa
+        paged.update(content[:, :, :1], content[:, :, :1], 0, kwargs={})
+    assert paged.get_seq_length(0) == 2  # the refusal comes after the write; the cache stays consistent
+    keys, _ = paged.update(content[:, :, :1], content[:, :, :1], 1)  # no kwargs (outside a model): gathered
+    assert keys.shape == (1, 2, 3, 16)
 
 
 # ---- the page-dtype promise (issue 18, item 3) ------------------------------------------------------------------

@@ -35,7 +35,7 @@ def _former_perplexity(model, ids, name, args, kvquant) -> float:
 @torch.inference_mode()
 def test_fidelity_section_reproduces_the_former_perplexity():
     from bench import kvquant
-    from hf_kvspec.cache.quantized_attention import register_quantized_attention
+    from hf_kvspec.attention.quantized import register_quantized_attention
 
     register_quantized_attention()
     model = tiny_model("llama", seed=0)

@@ -14,17 +14,16 @@ import torch
 from transformers import DynamicCache
 
 from hf_kvspec import _compat
-from hf_kvspec.cache.quantized import QuantizedKVCache
-from hf_kvspec.cache.quantized_attention import (
+from hf_kvspec.attention.quantized import (
     ATTN_NAME,
-    MAX_FUSED_QUERIES,
-    QuantizedKV,
     enable_quantized_attention,
     fused_quantized_attention,
     reference_quantized_attention,
     register_quantized_attention,
     unregister_quantized_attention,
 )
+from hf_kvspec.cache.quantized import QuantizedKVCache
+from hf_kvspec.stored_kv import MAX_FUSED_QUERIES, QuantizedKV
 from tests.tiny_models import left_padded_batch, tiny_config, tiny_model
 
 HEADS, Q_HEADS, DIM = 2, 6, 64
