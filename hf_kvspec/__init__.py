@@ -36,7 +36,7 @@ _EXPORTS: dict[str, str] = {
     "OutOfBlocksError": "hf_kvspec.cache.block_pool",
     # quantized KV cache
     "QuantizedKVCache": "hf_kvspec.cache.quantized",
-    "enable_quantized_attention": "hf_kvspec.cache.quantized_attention",
+    "enable_quantized_attention": "hf_kvspec.attention.quantized",
     # attention patches
     "enable_gqa": "hf_kvspec.attention.gqa",
     "enable_mla_absorb": "hf_kvspec.attention.mla",

@@ -3,7 +3,7 @@
 Boundary: turns whatever mask transformers (or a caller with a custom 4D mask, e.g. a token tree) hands an
 attention function into one explicit form, folds it onto KV heads, and owns the masked softmax. It knows
 nothing about models or caches. ``kvspec_gqa`` (``gqa.py``), ``kvspec_paged`` (``paged.py``), ``kvspec_quant``
-(``hf_kvspec/cache/quantized_attention.py``) and the MLA-absorb path (``mla.py``) all use these functions and
+(``quantized.py``) and the MLA-absorb path (``mla.py``) all use these functions and
 no private copy of them. Turning a bool mask into an additive one, and widening a mask over more keys, are
 ``hf_kvspec/masking.py``'s (shared with the cache views and the speculative paths).
 

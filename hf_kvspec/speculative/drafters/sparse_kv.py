@@ -121,7 +121,7 @@ class SparseKVAssistant(Assistant):
     @staticmethod
     def _check_fused_attention(model) -> None:
         from hf_kvspec import _compat
-        from hf_kvspec.cache.quantized_attention import ATTN_NAME
+        from hf_kvspec.attention.quantized import ATTN_NAME
 
         if _compat.attn_implementation(model.config) != ATTN_NAME:
             raise ValueError(f"SparseKVAssistant(view='quantized') drafts through the fused {ATTN_NAME} attention, "
