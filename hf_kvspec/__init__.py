@@ -22,7 +22,8 @@ _EXPORTS: dict[str, str] = {
     # draft heads
     "MedusaHeads": "hf_kvspec.heads.modeling_medusa",
     "MedusaConfig": "hf_kvspec.heads.configuration",
-    "EagleDrafter": "hf_kvspec.heads.modeling_eagle",
+    "EagleHead": "hf_kvspec.heads.modeling_eagle",
+    "EagleDrafter": "hf_kvspec.heads.modeling_eagle",  # deprecated name of EagleHead
     "EagleConfig": "hf_kvspec.heads.configuration",
     "ExitAdapter": "hf_kvspec.heads.modeling_exit",
     "ExitAdapterConfig": "hf_kvspec.heads.configuration_exit",
@@ -69,7 +70,8 @@ _EXPORTS: dict[str, str] = {
     "make_assistant": "hf_kvspec.speculative.assistants",
 }
 
-__all__ = [*sorted(_EXPORTS), "__version__"]
+_DEPRECATED = {"Drafter", "EagleDrafter"}  # importable for old code, left out of ``import *``
+__all__ = [*sorted(set(_EXPORTS) - _DEPRECATED), "__version__"]
 
 
 def __getattr__(name: str):

@@ -44,7 +44,7 @@ from hf_kvspec.heads.configuration import EagleConfig, MedusaConfig
 from hf_kvspec.heads.distill import DistillSettings, self_distill
 from hf_kvspec.heads.evaluation import evaluate_head
 from hf_kvspec.heads.features import CachedFeatures, collate, extract_to_cache, target_features
-from hf_kvspec.heads.modeling_eagle import EagleDrafter
+from hf_kvspec.heads.modeling_eagle import EagleHead
 from hf_kvspec.heads.modeling_medusa import MedusaHeads
 from hf_kvspec.heads.objectives import TrainingObjective, TrainingVocabulary
 from hf_kvspec.heads.pairing import base_model_fingerprint
@@ -239,7 +239,7 @@ def build_head(m: ModelArguments, target, recorded_name: str):
         config = MedusaConfig.for_base_model(target, recorded_name, num_heads=m.num_heads, num_layers=m.num_layers,
                                              share_lm_head=not m.medusa_own_lm_head)
         return MedusaHeads(config).attach(target)
-    return EagleDrafter(EagleConfig.for_base_model(target, recorded_name, feature_layers=m.feature_layers,
+    return EagleHead(EagleConfig.for_base_model(target, recorded_name, feature_layers=m.feature_layers,
                                                    architecture=m.architecture,
                                                    draft_vocab_size=m.draft_vocab_size)).attach(target)
 

@@ -263,9 +263,9 @@ BAD_INPUTS_AUDIT = [
     ("MedusaConfig(num_layers=True)", lambda: hf_kvspec.MedusaConfig(num_layers=True), _CONFIG_ERROR, "num_layers"),
     ("EagleConfig(feature_layers=-1)", lambda: hf_kvspec.EagleConfig(feature_layers=-1), _CONFIG_ERROR, "[-1]"),
     ("EagleConfig(rms_norm_eps=0.0)", lambda: hf_kvspec.EagleConfig(rms_norm_eps=0.0), _CONFIG_ERROR, "rms_norm_eps"),
-    ("EagleDrafter.for_base_model(model, feature_layers=[40])",
-     lambda: hf_kvspec.EagleDrafter.for_base_model(_model(), feature_layers=[40]), _CONFIG_ERROR, "-3..2"),
-    ("EagleDrafter.for_base_model(None)", lambda: hf_kvspec.EagleDrafter.for_base_model(None), TypeError,
+    ("EagleHead.for_base_model(model, feature_layers=[40])",
+     lambda: hf_kvspec.EagleHead.for_base_model(_model(), feature_layers=[40]), _CONFIG_ERROR, "-3..2"),
+    ("EagleHead.for_base_model(None)", lambda: hf_kvspec.EagleHead.for_base_model(None), TypeError,
      "loaded base model"),
     ("EagleConfig.for_base_model(model.config)", lambda: hf_kvspec.EagleConfig.for_base_model(_model().config),
      TypeError, "not its config"),
@@ -375,5 +375,5 @@ def test_assistant_grammar_is_one_function_for_the_cli_and_make_assistant(tmp_pa
 def test_eagle_feature_layers_in_range_are_accepted():
     """The range check's boundary: -(L+1) and L index the hidden_states tuple of an L-layer base model."""
     layers = _model().config.num_hidden_layers
-    drafter = hf_kvspec.EagleDrafter.for_base_model(_model(), feature_layers=[-(layers + 1), layers])
+    drafter = hf_kvspec.EagleHead.for_base_model(_model(), feature_layers=[-(layers + 1), layers])
     assert drafter.config.feature_layers == [-(layers + 1), layers]

@@ -35,10 +35,10 @@ def load_bundled_heads(kind: str = "medusa", base_model=None, dtype: torch.dtype
 
     If ``base_model`` is given, the head is attached to it (pairing checked, embedding/LM head borrowed).
     """
-    from hf_kvspec.heads.modeling_eagle import EagleDrafter
+    from hf_kvspec.heads.modeling_eagle import EagleHead
     from hf_kvspec.heads.modeling_exit import ExitAdapter
     from hf_kvspec.heads.modeling_medusa import MedusaHeads
 
-    model_class = {"medusa": MedusaHeads, "eagle": EagleDrafter, "early_exit": ExitAdapter}[kind]
+    model_class = {"medusa": MedusaHeads, "eagle": EagleHead, "early_exit": ExitAdapter}[kind]
     head = model_class.from_pretrained(bundled_heads_path(kind, base), dtype=dtype).eval()
     return head.attach(base_model) if base_model is not None else head

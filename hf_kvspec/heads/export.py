@@ -37,12 +37,12 @@ class HeadExportError(ValueError):
 
 # ---------------------------------------------------------------------------------------------- entry point
 def export_head(head, fmt: str, out_dir: str | Path, base_model=None, speculative_tokens: int = 5) -> Path:
-    """Write ``head`` (an ``EagleDrafter`` / ``MedusaHeads``, or a directory one loads from) in layout ``fmt``.
+    """Write ``head`` (an ``EagleHead`` / ``MedusaHeads``, or a directory one loads from) in layout ``fmt``.
 
     ``base_model`` supplies the LM head a head borrows (the serving layouts store their own); without it the
     head must already be attached. Returns ``out_dir``.
     """
-    from hf_kvspec.heads.modeling_eagle import EagleDrafter
+    from hf_kvspec.heads.modeling_eagle import EagleHead
     from hf_kvspec.heads.modeling_medusa import MedusaHeads
 
     if fmt not in FORMATS:
@@ -57,10 +57,10 @@ def export_head(head, fmt: str, out_dir: str | Path, base_model=None, speculativ
             raise HeadExportError(f"a Medusa head has no {fmt} layout ({fmt} serves EAGLE heads only); use "
                                   "--format vllm-medusa.")
         config, tensors = medusa_to_vllm(head)
-    elif isinstance(head, EagleDrafter):
+    elif isinstance(head, EagleHead):
         config, tensors = eagle_export(head, fmt, speculative_tokens)
     else:
-        raise HeadExportError(f"export_head takes an EagleDrafter or MedusaHeads, got {type(head).__name__}.")
+        raise HeadExportError(f"export_head takes an EagleHead or MedusaHeads, got {type(head).__name__}.")
     out.mkdir(parents=True, exist_ok=True)
     save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(out / "model.safetensors"))
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
@@ -68,11 +68,11 @@ def export_head(head, fmt: str, out_dir: str | Path, base_model=None, speculativ
 
 
 def _load_head(path: Path):
-    from hf_kvspec.heads.modeling_eagle import EagleDrafter
+    from hf_kvspec.heads.modeling_eagle import EagleHead
     from hf_kvspec.heads.modeling_medusa import MedusaHeads
 
     model_type = json.loads((path / "config.json").read_text()).get("model_type")
-    classes = {"hf_kvspec_eagle": EagleDrafter, "hf_kvspec_medusa": MedusaHeads}
+    classes = {"hf_kvspec_eagle": EagleHead, "hf_kvspec_medusa": MedusaHeads}
     if model_type not in classes:
         raise HeadExportError(f"{path} holds no hf_kvspec head (model_type={model_type!r}); train one with "
                               "scripts/train_drafter.py.")

@@ -2,7 +2,7 @@
 layout (``LlamaForCausalLMEagle3``, ``midlayer.*``; SpecForge writes it too) and vLLM's Medusa layout.
 
 Boundary: reads a directory (``config.json`` + ``model.safetensors`` or ``pytorch_model.bin``) and returns an
-attached ``EagleDrafter`` / ``MedusaHeads``; the inverse of ``export.py``, whose docstring explains the names and
+attached ``EagleHead`` / ``MedusaHeads``; the inverse of ``export.py``, whose docstring explains the names and
 the feature-layer index conventions. Drafting with the result is ``generate(assistant=...)`` as for our own heads.
 
 A head is rebuilt from the *base model's* config (its layer class and sizes), with the serving config's layer
@@ -24,7 +24,7 @@ class HeadImportError(HeadExportError):
 
 
 def import_head(path: str | Path, base_model, name_or_path: str | None = None):
-    """The head stored at ``path`` in a serving layout, as an attached ``EagleDrafter`` or ``MedusaHeads``."""
+    """The head stored at ``path`` in a serving layout, as an attached ``EagleHead`` or ``MedusaHeads``."""
     path = Path(path)
     config = json.loads((path / "config.json").read_text())
     tensors = _read_tensors(path)
@@ -64,7 +64,7 @@ def _default_layers(base_model) -> list[int]:
 
 def _eagle3(tensors, prefix, layer_fields, layers, norm_before_residual, base_model, name):
     from hf_kvspec.heads.configuration import EagleConfig
-    from hf_kvspec.heads.modeling_eagle import EagleDrafter
+    from hf_kvspec.heads.modeling_eagle import EagleHead
 
     base_lm_head = base_model.get_output_embeddings().weight
     lm_head = tensors["lm_head.weight"]
@@ -86,7 +86,7 @@ def _eagle3(tensors, prefix, layer_fields, layers, norm_before_residual, base_mo
         vocab = lm_head.shape[0]
         state["d2t"] = tensors.get("d2t", torch.zeros(vocab, dtype=torch.long))
         state["t2d"] = tensors.get("t2d", torch.ones(config.base_vocab_size, dtype=torch.bool))
-    head = EagleDrafter(config).to(lm_head.dtype)
+    head = EagleHead(config).to(lm_head.dtype)
     _load(head, state)
     return head.eval().attach(base_model, strict=False)
 

@@ -32,7 +32,7 @@ class HeadNotAttachedError(RuntimeError):
 
 
 class DraftHeadModel(PreTrainedModel):
-    """Base class of ``MedusaHeads`` and ``EagleDrafter``."""
+    """Base class of ``MedusaHeads`` and ``EagleHead``."""
 
     config_class = DraftHeadConfig
     base_model_prefix = "head"

@@ -90,12 +90,12 @@ def widen_attention_inputs(layer: nn.Module, config: PreTrainedConfig) -> nn.Mod
     return nn.RMSNorm(hidden, eps=getattr(config, "rms_norm_eps", 1e-6))
 
 
-class EagleDrafter(DraftHeadModel):
+class EagleHead(DraftHeadModel):
     """One base-architecture decoder layer over ``fc(concat(embed(token), feature))``; borrowed embedding + LM head.
 
     Example (one draft step after a target forward)::
 
-        drafter = EagleDrafter.from_pretrained(path).attach(base_model)
+        drafter = EagleHead.from_pretrained(path).attach(base_model)
         out = base_model(ids, output_hidden_states=True)
         features = drafter.collect_features(out.hidden_states)                 # [B, T, F]
         next_ids = torch.cat([ids[:, 1:], out.logits[:, -1:].argmax(-1)], 1)   # x_{t+1} for every row t
@@ -203,7 +203,17 @@ class EagleDrafter(DraftHeadModel):
 
     @classmethod
     def for_base_model(cls, base_model: nn.Module, name_or_path: str | None = None,
-                       feature_layers: list[int] | None = None, **kwargs) -> EagleDrafter:
+                       feature_layers: list[int] | None = None, **kwargs) -> EagleHead:
         """A freshly initialised drafter for ``base_model`` (config filled from it), already attached."""
         return cls(EagleConfig.for_base_model(base_model, name_or_path, feature_layers=feature_layers,
                                               **kwargs)).attach(base_model)
+
+
+def __getattr__(name: str):
+    if name == "EagleDrafter":  # the model's name before "drafter" was kept for the assistants' side
+        import warnings
+
+        warnings.warn("hf_kvspec EagleDrafter is now EagleHead; the old name will be removed", FutureWarning,
+                      stacklevel=2)
+        return EagleHead
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -11,11 +11,11 @@ from transformers import AutoConfig, AutoModel
 from hf_kvspec import _compat
 from hf_kvspec.heads.configuration import EagleConfig, MedusaConfig
 from hf_kvspec.heads.configuration_exit import ExitAdapterConfig
-from hf_kvspec.heads.modeling_eagle import EagleDrafter
+from hf_kvspec.heads.modeling_eagle import EagleHead
 from hf_kvspec.heads.modeling_exit import ExitAdapter
 from hf_kvspec.heads.modeling_medusa import MedusaHeads
 
-HEAD_CLASSES = ((MedusaConfig, MedusaHeads), (EagleConfig, EagleDrafter), (ExitAdapterConfig, ExitAdapter))
+HEAD_CLASSES = ((MedusaConfig, MedusaHeads), (EagleConfig, EagleHead), (ExitAdapterConfig, ExitAdapter))
 
 
 def register_heads() -> None:

@@ -21,7 +21,7 @@ from transformers import DynamicCache
 
 from bench.harness import Report, measure
 from hf_kvspec.heads.configuration import EagleConfig
-from hf_kvspec.heads.modeling_eagle import EagleDrafter
+from hf_kvspec.heads.modeling_eagle import EagleHead
 from hf_kvspec.heads.objectives import TrainingObjective, TrainingVocabulary
 from hf_kvspec.heads.trained_vocab import HeadVocabulary, projection_cost
 
@@ -34,10 +34,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--repeats", type=int, default=5)
 
 
-def _head(target, draft_vocab_size: int | None) -> EagleDrafter:
+def _head(target, draft_vocab_size: int | None) -> EagleHead:
     torch.manual_seed(0)
     config = EagleConfig.for_base_model(target, "bundled", feature_layers=[-1], draft_vocab_size=draft_vocab_size)
-    head = EagleDrafter(config).attach(target)
+    head = EagleHead(config).attach(target)
     if draft_vocab_size is not None:
         head.set_draft_vocab(torch.randperm(config.base_vocab_size)[:draft_vocab_size])
     return head

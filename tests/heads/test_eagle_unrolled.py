@@ -6,7 +6,7 @@ import torch
 from transformers import DynamicCache
 
 from hf_kvspec.heads.configuration import EagleConfig
-from hf_kvspec.heads.modeling_eagle import EagleDrafter, unrolled_step_mask
+from hf_kvspec.heads.modeling_eagle import EagleHead, unrolled_step_mask
 from tests.tiny_models import tiny_model
 
 
@@ -33,7 +33,7 @@ def _sequential_chain(drafter, next_ids, fused, start, steps):
 def test_unrolled_equals_sequential_drafting():
     torch.manual_seed(0)
     base = tiny_model("llama", seed=0)
-    drafter = EagleDrafter(EagleConfig.for_base_model(base, "t", feature_layers=[1, -1])).attach(base).eval()
+    drafter = EagleHead(EagleConfig.for_base_model(base, "t", feature_layers=[1, -1])).attach(base).eval()
     with torch.no_grad():
         for p in drafter.parameters():
             p.add_(torch.randn_like(p) * 0.05)
@@ -51,7 +51,7 @@ def test_unrolled_equals_sequential_drafting():
 
 def test_padding_does_not_leak_into_real_rows():
     base = tiny_model("llama", seed=0)
-    drafter = EagleDrafter(EagleConfig.for_base_model(base, "t")).attach(base).eval()
+    drafter = EagleHead(EagleConfig.for_base_model(base, "t")).attach(base).eval()
     ids = torch.randint(3, 96, (1, 6))
     features = base(ids, output_hidden_states=True).hidden_states[-1]
     padded_ids = torch.cat([ids, torch.zeros(1, 3, dtype=torch.long)], 1)

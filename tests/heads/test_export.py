@@ -12,7 +12,7 @@ import hf_kvspec
 from hf_kvspec.heads.configuration import EagleConfig, MedusaConfig
 from hf_kvspec.heads.export import HeadExportError, export_head
 from hf_kvspec.heads.import_formats import import_head
-from hf_kvspec.heads.modeling_eagle import EagleDrafter
+from hf_kvspec.heads.modeling_eagle import EagleHead
 from hf_kvspec.heads.modeling_medusa import MedusaHeads
 from tests.tiny_models import tiny_model
 
@@ -35,7 +35,7 @@ def _randomized(head, seed=1):
 def eagle3(base, draft_vocab=True, **kwargs):
     config = EagleConfig.for_base_model(base, "tiny-llama", feature_layers=F_LAYERS, architecture="eagle3",
                                         draft_vocab_size=N if draft_vocab else None, **kwargs)
-    head = _randomized(EagleDrafter(config)).attach(base).eval()
+    head = _randomized(EagleHead(config)).attach(base).eval()
     if draft_vocab:
         head.set_draft_vocab(torch.randperm(V, generator=torch.Generator().manual_seed(3))[:N])
     return head
@@ -116,15 +116,15 @@ def test_medusa_vllm_layout_round_trip(base, tmp_path, share):
 
 
 @pytest.mark.parametrize("make,fmt,words", [
-    (lambda b: EagleDrafter(EagleConfig.for_base_model(b, "t")).attach(b), "speculators", "no input norm"),
-    (lambda b: EagleDrafter(EagleConfig.for_base_model(b, "t")).attach(b), "sglang", "fc without bias"),
+    (lambda b: EagleHead(EagleConfig.for_base_model(b, "t")).attach(b), "speculators", "no input norm"),
+    (lambda b: EagleHead(EagleConfig.for_base_model(b, "t")).attach(b), "sglang", "fc without bias"),
     (lambda b: MedusaHeads(MedusaConfig.for_base_model(b, "t")).attach(b), "sglang", "no sglang layout"),
     (lambda b: eagle3(b), "vllm-medusa", "no vLLM Medusa layout"),
-    (lambda b: EagleDrafter(EagleConfig.for_base_model(b, "t", feature_layers=[1, 2, -1], architecture="eagle3")),
+    (lambda b: EagleHead(EagleConfig.for_base_model(b, "t", feature_layers=[1, 2, -1], architecture="eagle3")),
      "speculators", "final normalised"),
-    (lambda b: EagleDrafter(EagleConfig.for_base_model(b, "t", feature_layers=[1, 3], architecture="eagle3")),
+    (lambda b: EagleHead(EagleConfig.for_base_model(b, "t", feature_layers=[1, 3], architecture="eagle3")),
      "sglang", "exactly 3"),
-    (lambda b: EagleDrafter(EagleConfig.for_base_model(b, "t", feature_layers=F_LAYERS, architecture="eagle3",
+    (lambda b: EagleHead(EagleConfig.for_base_model(b, "t", feature_layers=F_LAYERS, architecture="eagle3",
                                                        norm_before_residual=True)), "sglang", "norm_before_residual"),
 ])
 def test_refusals_say_what_differs(base, tmp_path, make, fmt, words):
@@ -142,7 +142,7 @@ def test_draft_vocab_round_trip_and_save_load(base, tmp_path):
     outside = torch.tensor(sorted(set(range(V)) - set(vocab.tolist())))
     assert (head.target_to_draft(outside) == -1).all()
     head.save_pretrained(tmp_path)
-    again = EagleDrafter.from_pretrained(tmp_path).attach(base).eval()
+    again = EagleHead.from_pretrained(tmp_path).attach(base).eval()
     assert torch.equal(again.d2t, head.d2t) and torch.equal(again.t2d, head.t2d)
     assert torch.equal(_eagle_logits(again), _eagle_logits(head))
 

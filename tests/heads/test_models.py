@@ -10,7 +10,7 @@ from transformers import AutoConfig, AutoModel
 import hf_kvspec
 from hf_kvspec.heads.configuration import EagleConfig, MedusaConfig
 from hf_kvspec.heads.modeling_common import HeadNotAttachedError
-from hf_kvspec.heads.modeling_eagle import EagleDrafter
+from hf_kvspec.heads.modeling_eagle import EagleHead
 from hf_kvspec.heads.modeling_medusa import MedusaHeads
 from hf_kvspec.heads.pairing import BaseModelMismatchError, base_model_fingerprint
 from tests.tiny_models import tiny_model
@@ -33,8 +33,8 @@ def _randomized(head, seed=1):
 def _heads(base):
     return [
         _randomized(MedusaHeads(MedusaConfig.for_base_model(base, "tiny-llama", num_heads=3, num_layers=2))),
-        _randomized(EagleDrafter(EagleConfig.for_base_model(base, "tiny-llama"))),
-        _randomized(EagleDrafter(EagleConfig.for_base_model(base, "tiny-llama", feature_layers=[1, 2, -1]))),
+        _randomized(EagleHead(EagleConfig.for_base_model(base, "tiny-llama"))),
+        _randomized(EagleHead(EagleConfig.for_base_model(base, "tiny-llama", feature_layers=[1, 2, -1]))),
     ]
 
 
@@ -126,7 +126,7 @@ def test_medusa_own_lm_head_is_stored(base):
 
 
 def test_eagle_reuses_the_base_decoder_layer_class(base):
-    drafter = EagleDrafter(EagleConfig.for_base_model(base, "t"))
+    drafter = EagleHead(EagleConfig.for_base_model(base, "t"))
     assert type(drafter.layer) is type(base.model.layers[0])
     qwen = tiny_model("qwen2")
-    assert type(EagleDrafter(EagleConfig.for_base_model(qwen, "q")).layer) is type(qwen.model.layers[0])
+    assert type(EagleHead(EagleConfig.for_base_model(qwen, "q")).layer) is type(qwen.model.layers[0])

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from hf_kvspec.heads.modeling_eagle import EagleDrafter
+from hf_kvspec.heads.modeling_eagle import EagleHead
 from hf_kvspec.heads.trained_vocab import most_frequent_labels, projection_cost
 from tests.heads.tiny_base import save_tiny_base, write_tiny_corpus
 
@@ -38,7 +38,7 @@ def test_train_drafter_with_draft_vocab(tmp_path):
                         "--per_device_batch_size", "4", "--learning_rate", "1e-2", "--warmup_steps", "1",
                         "--num_threads", "1", "--data_cache_dir", str(tmp_path / "cache"),
                         "--output_dir", str(tmp_path / "out")])
-    head = EagleDrafter.from_pretrained(tmp_path / "out")
+    head = EagleHead.from_pretrained(tmp_path / "out")
     assert head.config.draft_vocab_size == 20 and head.lm_head.weight.shape[0] == 20
     assert int(head.t2d.sum()) == 20 and torch.equal(head.draft_vocab_ids(), torch.nonzero(head.t2d).flatten())
     from tests.heads.tiny_base import char_tokenizer
@@ -55,7 +55,7 @@ def test_held_out_drafts_are_target_ids(tmp_path):
     from hf_kvspec.heads.features import target_features
 
     base = AutoModelForCausalLM.from_pretrained(save_tiny_base(tmp_path / "base")).eval()
-    head = EagleDrafter(EagleDrafter.config_class.for_base_model(base, feature_layers=[1, 2], architecture="eagle3",
+    head = EagleHead(EagleHead.config_class.for_base_model(base, feature_layers=[1, 2], architecture="eagle3",
                                                                  draft_vocab_size=6)).attach(base).eval()
     head.set_draft_vocab(torch.tensor([40, 41, 42, 43, 44, 45]))
     ids = torch.tensor([[1, 2, 3, 4, 5, 6]])

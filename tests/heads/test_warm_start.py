@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from hf_kvspec.heads.configuration import EagleConfig, MedusaConfig
-from hf_kvspec.heads.modeling_eagle import EagleDrafter
+from hf_kvspec.heads.modeling_eagle import EagleHead
 from hf_kvspec.heads.modeling_medusa import MedusaHeads
 from hf_kvspec.heads.pairing import BaseModelMismatchError
 from hf_kvspec.heads.trained_vocab import init_draft_vocab
@@ -27,9 +27,9 @@ def base():
     return tiny_model("llama", seed=0, vocab_size=64, hidden_size=32, intermediate_size=64)
 
 
-def _eagle(base, seed: int, **kwargs) -> EagleDrafter:
+def _eagle(base, seed: int, **kwargs) -> EagleHead:
     torch.manual_seed(seed)
-    return EagleDrafter(EagleConfig.for_base_model(base, "tiny", **kwargs)).attach(base).eval()
+    return EagleHead(EagleConfig.for_base_model(base, "tiny", **kwargs)).attach(base).eval()
 
 
 def _saved(head, directory: Path) -> Path:

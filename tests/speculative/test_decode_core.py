@@ -174,3 +174,12 @@ def test_contexts_hold_the_active_rows_only_after_rows_finish(target):
                           assistant=recorder)
     assert torch.equal(out, _plain(target, ids, max_new_tokens=6, eos_token_id=eos))
     assert recorder.rows_seen[0] == (2, 2, 2)  # row 1 left after the prefill that finished it
+
+
+def test_eagle_drafter_is_a_deprecated_name_of_eagle_head():
+    from hf_kvspec.heads.modeling_eagle import EagleHead
+
+    with pytest.warns(FutureWarning, match="EagleHead"):
+        from hf_kvspec.heads.modeling_eagle import EagleDrafter
+    assert EagleDrafter is EagleHead
+    assert "EagleDrafter" not in hf_kvspec.__all__ and "Drafter" not in hf_kvspec.__all__

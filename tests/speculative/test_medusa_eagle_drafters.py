@@ -9,7 +9,7 @@ import torch
 
 import hf_kvspec
 from hf_kvspec.heads.configuration import EagleConfig, MedusaConfig
-from hf_kvspec.heads.modeling_eagle import EagleDrafter
+from hf_kvspec.heads.modeling_eagle import EagleHead
 from hf_kvspec.heads.modeling_medusa import MedusaHeads
 from hf_kvspec.heads.pairing import BaseModelMismatchError
 from hf_kvspec.speculative.buffer import TokenBuffer
@@ -42,7 +42,7 @@ def _medusa(target, seed=1):
 
 
 def _eagle(target, feature_layers=None, seed=2):
-    return _randomized(EagleDrafter(EagleConfig.for_base_model(target, "tiny", feature_layers=feature_layers)), seed,
+    return _randomized(EagleHead(EagleConfig.for_base_model(target, "tiny", feature_layers=feature_layers)), seed,
                        scale=0.2)
 
 
@@ -249,7 +249,7 @@ def test_heads_attach_on_first_call_and_refuse_another_base(target):
     assert heads.is_attached and heads.borrowed().lm_head is target.get_output_embeddings()
     other = tiny_model("llama", seed=7)
     with pytest.raises(BaseModelMismatchError):
-        EagleAssistant(EagleDrafter(EagleConfig.for_base_model(target, "tiny"))).begin(other, buffer, hidden)
+        EagleAssistant(EagleHead(EagleConfig.for_base_model(target, "tiny"))).begin(other, buffer, hidden)
 
 
 def test_public_names():

@@ -16,7 +16,7 @@ from transformers import DynamicCache
 
 import hf_kvspec
 from hf_kvspec.heads.configuration import EagleConfig, MedusaConfig
-from hf_kvspec.heads.modeling_eagle import EagleDrafter
+from hf_kvspec.heads.modeling_eagle import EagleHead
 from hf_kvspec.heads.modeling_medusa import MedusaHeads
 from hf_kvspec.speculative.drafters.eagle import EagleAssistant
 from hf_kvspec.speculative.drafters.medusa import MedusaAssistant
@@ -46,7 +46,7 @@ def medusa_heads(target, seed=1):
 
 def eagle_head(target, feature_layers=None, seed=2):
     config = EagleConfig.for_base_model(target, "tiny", feature_layers=feature_layers)
-    return _randomized(EagleDrafter(config), seed, 0.2)
+    return _randomized(EagleHead(config), seed, 0.2)
 
 
 def _reference_row(reference, history, row):
@@ -88,7 +88,7 @@ class OracleMedusa(MedusaAssistant):
 
 
 class _RecordingHead:
-    """Forwards everything to an ``EagleDrafter``; remembers the token ids of each tree level it is fed."""
+    """Forwards everything to an ``EagleHead``; remembers the token ids of each tree level it is fed."""
 
     def __init__(self, head):
         self.head, self.levels = head, []

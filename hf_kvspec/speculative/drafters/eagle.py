@@ -1,6 +1,6 @@
 """EAGLE drafting (Li et al. 2401.15077; EAGLE-2 dynamic trees 2406.16858; EAGLE-3 feature fusion 2503.01840).
 
-Boundary: owns the ``EagleDrafter``'s own KV cache (a ``DynamicCache`` over its one decoder layer) and the target
+Boundary: owns the ``EagleHead``'s own KV cache (a ``DynamicCache`` over its one decoder layer) and the target
 features it has not fed yet; drafts a tree per round through ``tree.py``'s growers. Never touches the target's cache.
 
 Alignment with the loop's ``TokenBuffer`` (column c of the drafter cache is buffer column c, holes included):
@@ -35,7 +35,7 @@ from hf_kvspec.speculative.tree import grow_dynamic_tree, grow_static_tree, stat
 
 
 class EagleAssistant(Assistant):
-    """``EagleAssistant(drafter_head, tree="dynamic", depth=5, top_k=4, total_tokens=24)``.
+    """``EagleAssistant(head, tree="dynamic", depth=5, top_k=4, total_tokens=24)``.
 
     ``tree="dynamic"``: EAGLE-2, per-row trees of ``total_tokens`` nodes grown ``depth`` levels deep with ``top_k``
     children per expanded node; ``"chain"``: ``depth`` tokens; a choice list: a static tree whose node
@@ -58,7 +58,7 @@ class EagleAssistant(Assistant):
     can_drop_rows = True
     proposes_trees = True  # the loop checks up front that the target's attention takes a 4D tree mask
 
-    def __init__(self, drafter_head, tree: str | Sequence[Sequence[int]] = "dynamic", depth: int = 5,
+    def __init__(self, head, tree: str | Sequence[Sequence[int]] = "dynamic", depth: int = 5,
                  top_k: int = 4, total_tokens: int = 24, num_draft_tokens: int | str | None = "auto",
                  draft_vocab_size: int | str | None = "shipped", draft_vocab=None):
         if min(depth, top_k, total_tokens) < 1:
@@ -69,14 +69,14 @@ class EagleAssistant(Assistant):
         if num_draft_tokens == "auto":
             self.auto = AutoTreeSize(dynamic_menu(depth, total_tokens, top_k) if self.static is None
                                      else static_menu(self.static))
-        self.head = drafter_head.eval()
-        if draft_vocab_size not in (None, "shipped") and getattr(drafter_head, "has_draft_vocab", False):
+        self.head = head.eval()
+        if draft_vocab_size not in (None, "shipped") and getattr(head, "has_draft_vocab", False):
             raise ValueError("this head was trained with its own draft vocabulary (config.draft_vocab_size="
-                             f"{drafter_head.config.draft_vocab_size}): its projection is already restricted; leave "
+                             f"{head.config.draft_vocab_size}): its projection is already restricted; leave "
                              "draft_vocab_size unset.")
-        self.vocab = DraftVocabulary.resolve(drafter_head, draft_vocab_size, draft_vocab)
+        self.vocab = DraftVocabulary.resolve(head, draft_vocab_size, draft_vocab)
         self._fitted: dict[tuple, object] = {}
-        self.feature_layers = tuple(drafter_head.config.feature_layers)
+        self.feature_layers = tuple(head.config.feature_layers)
         self.depth, self.top_k, self.total_tokens = depth, top_k, total_tokens
         self.cache = None
         self.cached = 0  # buffer columns in the drafter cache
