@@ -73,7 +73,14 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from hf_kvspec.cache import channel
-from hf_kvspec.cache.contract import check_crop_arg, check_crop_length, check_keep_args, gather_segment, layer_ids
+from hf_kvspec.cache.contract import (
+    check_config_arg,
+    check_crop_arg,
+    check_crop_length,
+    check_keep_args,
+    gather_segment,
+    layer_ids,
+)
 from hf_kvspec.cache.quantized_attention import MAX_FUSED_QUERIES, QuantizedKV
 from hf_kvspec.cache.quantized_stores import Fp8Store, Int8Store, KiviStore, QuantizedStore, Workspace
 from hf_kvspec.memory import check_quant_params, head_dim, is_mla, quantized_token_split
@@ -101,6 +108,10 @@ class QuantSettings:
                 sink_tokens: int) -> QuantSettings:
         if method not in METHODS:
             raise ValueError(f"method={method!r} is unknown; use one of {METHODS}.")
+        for name, value in (("bits", bits), ("group_size", group_size), ("residual_length", residual_length),
+                            ("sink_tokens", sink_tokens)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                raise ValueError(f"{name}={value!r} must be an int (or None for the method's default).")
         default_bits, default_group, default_residual = _DEFAULTS[method]
         bits = default_bits if bits is None else bits
         residual_length = default_residual if residual_length is None else residual_length
@@ -365,6 +376,7 @@ class QuantizedKVCache(Cache):
 
     def __init__(self, config, bits: int | None = None, group_size: int | None = None,
                  residual_length: int | None = None, method: str = "kivi", sink_tokens: int = 0):
+        check_config_arg(config, "QuantizedKVCache")
         self.settings = QuantSettings.resolve(method, bits, group_size, residual_length, sink_tokens)
         text_config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
         layer_types = getattr(text_config, "layer_types", None) or ["full_attention"]
