@@ -188,16 +188,16 @@ def argument_problems(m: ModelArguments, d: DataArguments, t: TrainArguments) ->
                  _OPTIONAL_AT_LEAST_ONE.items() if values[k] is not None and values[k] < 1]
     if d.max_length < 2:
         problems.append(f"--max_length {d.max_length}: needs >= 2 tokens (a position and the label after it)")
-    for flag, value in (("learning_rate", t.learning_rate), ("max_grad_norm", t.max_grad_norm),
-                        ("loss_decay", t.loss_decay)):
+    for flag, value in (("max_grad_norm", t.max_grad_norm), ("loss_decay", t.loss_decay)):
         if not math.isfinite(value) or value <= 0:
             problems.append(f"--{flag} {value}: needs a number > 0")
-    for flag, value in (("weight_decay", t.weight_decay), ("warmup_steps", t.warmup_steps),
-                        ("feature_loss_weight", t.feature_loss_weight)):
+    for flag, value in (("learning_rate", t.learning_rate), ("weight_decay", t.weight_decay),  # lr 0: a dry run
+                        ("warmup_steps", t.warmup_steps), ("feature_loss_weight", t.feature_loss_weight)):
         if not math.isfinite(value) or value < 0:
             problems.append(f"--{flag} {value}: needs a number >= 0")
-    if t.max_train_seconds is not None and not t.max_train_seconds > 0:
-        problems.append(f"--max_train_seconds {t.max_train_seconds}: needs a number of seconds > 0, or leave it unset")
+    if t.max_train_seconds is not None and not t.max_train_seconds >= 0:  # 0: stop after the first step
+        problems.append(f"--max_train_seconds {t.max_train_seconds}: needs a number of seconds >= 0, or leave it "
+                        "unset")
     if m.head == "early_exit" and m.exit_layer is None:
         problems.append("--head early_exit needs --exit_layer E (the number of base layers that draft)")
     if not d.dataset:

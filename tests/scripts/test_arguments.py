@@ -45,7 +45,7 @@ TRAIN_CASES = [
     (["--num_heads", "0"], "--num_heads 0: needs an int >= 1"),
     (["--head", "eagle", "--draft_vocab_size", "0"], "--draft_vocab_size 0: needs an int >= 1"),
     (["--per_device_batch_size", "0"], "--per_device_batch_size 0: needs an int >= 1"),
-    (["--learning_rate", "-1"], "--learning_rate -1.0: needs a number > 0"),
+    (["--learning_rate", "-1"], "--learning_rate -1.0: needs a number >= 0"),
     (["--head", "early_exit"], "--head early_exit needs --exit_layer E"),
     (["--head", "early_exit", "--exit_layer", "99"], "--exit_layer 99: the base model has 2 layers; use 1..1"),
     (["--head", "eagle", "--feature_layers", "1", "99"], "--feature_layers [99]: index the base model's hidden "
