@@ -170,6 +170,10 @@ def _check_generate(parser, args) -> None:
         problem = _head_problem(args) if heads else _assistant_problem(args.assistant)
         if problem:
             parser.error(f"--assistant: {problem}")
+        if heads and args.cache in ("int8", "fp8") and args.tree != "chain":
+            parser.error(f"--cache {args.cache} keeps no full-precision window here (every token is stored as "
+                         f"{args.cache} at once), so it cannot keep a tree's accepted path; add --tree chain, or "
+                         "use --cache dynamic, paged or kivi4 (its 128-token window holds the tree).")
     if not heads:
         given = [flag for flag, on in (("--tree", args.tree is not None),
                                        ("--draft-vocab-size", args.draft_vocab_size is not None)) if on]
@@ -345,26 +349,50 @@ def _add_export_heads(subparsers) -> None:
 
 
 def _run_export_heads(args) -> None:
-    import json
-    from pathlib import Path
-
     from hf_kvspec.heads.export import export_head
 
-    spec = args.base_model or json.loads((Path(args.head_dir) / "config.json").read_text()).get(
-        "base_model_name_or_path")
-    if spec is None:
-        raise ValueError("the head records no base model; pass --base_model <path or bundled:NAME>.")
-    if spec == "bundled" or spec.startswith("bundled:"):
-        from hf_kvspec.models import DEFAULT_MODEL, load_bundled_model
-
-        base = load_bundled_model(spec.partition(":")[2] or DEFAULT_MODEL)[0]
-    else:
-        from transformers import AutoModelForCausalLM
-
-        base = AutoModelForCausalLM.from_pretrained(spec)
+    spec = _export_base_spec(args)  # every path checked before a model is loaded
+    try:
+        base = _load_base_model(spec)
+    except OSError as err:
+        raise ValueError(f"--base_model {spec!r} could not be loaded ({err}); pass a local model directory, a Hub "
+                         "id, or bundled:NAME.") from None
     out = export_head(args.head_dir, args.format, args.out, base_model=base,
                       speculative_tokens=args.speculative_tokens)
     print(f"wrote {args.format} layout to {out}")
+
+
+def _export_base_spec(args) -> str:
+    """Check ``export-heads``' paths (head directory, ``--out``); return the base model to load."""
+    import json
+    from pathlib import Path
+
+    head, out = Path(args.head_dir), Path(args.out)
+    if not head.is_dir():
+        raise ValueError(f"head directory {str(head)!r} is not a directory; pass the directory "
+                         "scripts/train_drafter.py saved.")
+    if not (head / "config.json").is_file():
+        raise ValueError(f"{str(head)!r} holds no config.json; pass the directory scripts/train_drafter.py saved.")
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {str(out)!r} is a file; pass a directory (it is created if missing).")
+    try:
+        config = json.loads((head / "config.json").read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{str(head / 'config.json')!r} is not valid JSON ({err}).") from None
+    spec = args.base_model or (config.get("base_model_name_or_path") if isinstance(config, dict) else None)
+    if spec is None:
+        raise ValueError("the head records no base model; pass --base_model <path or bundled:NAME>.")
+    return spec
+
+
+def _load_base_model(spec: str):
+    if spec == "bundled" or spec.startswith("bundled:"):
+        from hf_kvspec.models import DEFAULT_MODEL, load_bundled_model
+
+        return load_bundled_model(spec.partition(":")[2] or DEFAULT_MODEL)[0]
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(spec)
 
 
 def build_parser() -> argparse.ArgumentParser:

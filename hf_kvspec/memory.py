@@ -238,7 +238,7 @@ def kv_cache_bytes(
             ``"group"``  fp16 scale + fp16 zero per group of ``group_size`` elements (KIVI; the default);
             ``"token"``  symmetric, one fp16 scale per token and K/V row, no zero (int8 per token);
                          tokens leave the residual window one at a time;
-            ``"head"``   one fp32 scale per sequence and K/V row, set once (fp8 with per-head scales);
+            ``"head"``   one fp32 scale per sequence and K/V row, set once (a per-head-scaled 8-bit layout);
                          tokens leave the residual window one at a time.
             A K/V row is one kv head of K or of V (``2 · H_kv`` rows per token; 2 for MLA).
     """

@@ -76,8 +76,45 @@ def settings_from(args: Arguments) -> RecipeSettings:
                           answer_max_new_tokens=args.answer_max_new_tokens, batch_size=args.batch_size)
 
 
+def parse_arguments(argv: list[str] | None) -> Arguments:
+    """The command line as ``Arguments``; anything that cannot work exits 2 here, before the model loads."""
+    parser = HfArgumentParser(Arguments)
+    (args,) = parser.parse_args_into_dataclasses(args=argv)
+    problems = argument_problems(args)
+    if problems:
+        parser.error("\n  ".join(problems))
+    return args
+
+
+def argument_problems(args: Arguments) -> list[str]:
+    """Each unusable argument with its fix."""
+    from hf_kvspec.heads.reading_tasks import CORPORA
+
+    problems = [f"--{flag} {value}: needs an int >= 1" for flag, value in (
+        ("num_requests", args.num_requests), ("batch_size", args.batch_size),
+        ("request_max_new_tokens", args.request_max_new_tokens), ("answer_max_new_tokens", args.answer_max_new_tokens))
+        if value < 1]
+    problems += [f"--{flag} {value}: needs an int >= 1, or leave it unset" for flag, value in (
+        ("max_items", args.max_items), ("num_threads", args.num_threads)) if value is not None and value < 1]
+    problems += [f"--{flag} {value}: needs an int >= 0" for flag, value in (
+        ("num_reading", args.num_reading), ("sample", args.sample)) if value < 0]
+    if not 0 <= args.follow_up_fraction <= 1:
+        problems.append(f"--follow_up_fraction {args.follow_up_fraction}: needs a share in 0..1 of the kept requests")
+    problems += [f"--{flag} {value}: needs a number > 0 (sampling temperature)" for flag, value in (
+        ("request_temperature", args.request_temperature), ("answer_temperature", args.answer_temperature))
+        if not value > 0]
+    unknown = [c for c in args.corpora if c not in CORPORA]
+    if args.num_reading and (unknown or not args.corpora):
+        problems.append(f"--corpora {unknown or args.corpora}: known corpora are {', '.join(CORPORA)}")
+    if not Path(args.held_out).is_file():
+        problems.append(f"--held_out {args.held_out}: no such file (the prompts training must not see)")
+    if args.sample and not args.sample_output:
+        problems.append(f"--sample {args.sample} needs --sample_output FILE (or drop --sample)")
+    return problems
+
+
 def main(argv: list[str] | None = None) -> int:
-    (args,) = HfArgumentParser(Arguments).parse_args_into_dataclasses(args=argv)
+    args = parse_arguments(argv)
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
     model, tokenizer, recorded, _ = load_target(args.base_model)

@@ -25,6 +25,7 @@ Outputs in ``--output_dir``: ``config.json`` + ``model.safetensors`` (the head o
 from __future__ import annotations
 
 import json
+import math
 import random
 import shlex
 import sys
@@ -136,13 +137,101 @@ class TrainArguments:
 
 
 def parse_args(argv: list[str]) -> tuple[ModelArguments, DataArguments, TrainArguments]:
-    """CLI parsed into the three dataclasses; ``--config FILE.yaml`` supplies defaults that the CLI overrides."""
+    """CLI parsed into the three dataclasses; ``--config FILE.yaml`` supplies defaults that the CLI overrides.
+    Every argument that can be checked without loading the model is checked here (exit 2, message names the fix)."""
+    parser = HfArgumentParser((ModelArguments, DataArguments, TrainArguments))
     if "--config" in argv:
         at = argv.index("--config")
+        if at + 1 >= len(argv) or argv[at + 1].startswith("--"):
+            parser.error("--config needs a YAML file, e.g. --config scripts/train_configs/smollm2_eagle.yaml")
+        if not Path(argv[at + 1]).is_file():
+            parser.error(f"--config {argv[at + 1]}: no such file")
         config = yaml.safe_load(Path(argv[at + 1]).read_text()) or {}
+        if not isinstance(config, dict):
+            parser.error(f"--config {argv[at + 1]}: the YAML must map flag names to values")
         argv = _yaml_to_argv(config) + argv[:at] + argv[at + 2:]
-    parser = HfArgumentParser((ModelArguments, DataArguments, TrainArguments))
-    return parser.parse_args_into_dataclasses(args=argv)
+    m, d, t = parser.parse_args_into_dataclasses(args=argv)
+    problems = argument_problems(m, d, t)
+    if not problems:
+        try:
+            problems = base_model_problems(m)  # reads the base model's config only, no weights
+        except (OSError, ValueError) as err:
+            parser.error(f"--base_model {m.base_model}: cannot read its config ({err}); pass bundled[:NAME], a "
+                         "local model directory or a Hub id")
+    if problems:
+        parser.error("\n  ".join(problems))
+    return m, d, t
+
+
+_AT_LEAST_ONE = {  # flag -> why it needs an int >= 1
+    "num_heads": "Medusa draft depth", "num_layers": "residual blocks per Medusa head",
+    "max_steps": "optimizer steps; 0 would save an untrained head", "per_device_batch_size": "examples per step",
+    "gradient_accumulation_steps": "micro-batches per step", "save_steps": "steps between checkpoints",
+    "logging_steps": "steps between log lines", "unroll_steps": "EAGLE training-time-test steps",
+    "distill_max_new_tokens": "answer length", "distill_batch_size": "prompts per generate call",
+    "feature_batch_size": "examples per feature forward",
+}
+_OPTIONAL_AT_LEAST_ONE = {  # flag -> meaning (None = not set)
+    "draft_vocab_size": "target tokens the EAGLE head projects onto",
+    "train_vocab_size": "label tokens the training softmax keeps",
+    "exit_layer": "base layers that draft", "adapter_intermediate_size": "adapter MLP width",
+    "max_train_tokens": "token budget per text source", "num_threads": "torch threads",
+}
+
+
+def argument_problems(m: ModelArguments, d: DataArguments, t: TrainArguments) -> list[str]:
+    """Each argument that cannot work, with the fix; what needs the base model's config is ``base_model_problems``."""
+    values = {**asdict(m), **asdict(d), **asdict(t)}
+    problems = [f"--{k} {values[k]}: needs an int >= 1 ({why})" for k, why in _AT_LEAST_ONE.items()
+                if values[k] < 1]
+    problems += [f"--{k} {values[k]}: needs an int >= 1 ({why}), or leave it unset" for k, why in
+                 _OPTIONAL_AT_LEAST_ONE.items() if values[k] is not None and values[k] < 1]
+    if d.max_length < 2:
+        problems.append(f"--max_length {d.max_length}: needs >= 2 tokens (a position and the label after it)")
+    for flag, value in (("max_grad_norm", t.max_grad_norm), ("loss_decay", t.loss_decay)):
+        if not math.isfinite(value) or value <= 0:
+            problems.append(f"--{flag} {value}: needs a number > 0")
+    for flag, value in (("learning_rate", t.learning_rate), ("weight_decay", t.weight_decay),  # lr 0: a dry run
+                        ("warmup_steps", t.warmup_steps), ("feature_loss_weight", t.feature_loss_weight)):
+        if not math.isfinite(value) or value < 0:
+            problems.append(f"--{flag} {value}: needs a number >= 0")
+    if t.max_train_seconds is not None and not t.max_train_seconds >= 0:  # 0: stop after the first step
+        problems.append(f"--max_train_seconds {t.max_train_seconds}: needs a number of seconds >= 0, or leave it "
+                        "unset")
+    if m.head == "early_exit" and m.exit_layer is None:
+        problems.append("--head early_exit needs --exit_layer E (the number of base layers that draft)")
+    if not d.dataset:
+        problems.append("--dataset: name at least one source (a text/JSONL file, a corpus or a Hub dataset)")
+    return problems
+
+
+def base_model_problems(m: ModelArguments) -> list[str]:
+    """Layer indices and vocabulary sizes checked against the base model's config (no weights are loaded)."""
+    config = load_base_config(m.base_model).get_text_config()
+    depth, vocab = config.num_hidden_layers, config.vocab_size
+    problems = []
+    if m.head == "early_exit" and not 1 <= m.exit_layer < depth:
+        problems.append(f"--exit_layer {m.exit_layer}: the base model has {depth} layers; use 1..{depth - 1}")
+    if m.head == "eagle":
+        bad = [i for i in m.feature_layers if not -(depth + 1) <= i <= depth]
+        if bad:
+            problems.append(f"--feature_layers {bad}: index the base model's hidden states, {-(depth + 1)}..{depth} "
+                            f"({depth} layers; 0 = embeddings, -1 = final)")
+    if m.draft_vocab_size is not None and m.draft_vocab_size > vocab:
+        problems.append(f"--draft_vocab_size {m.draft_vocab_size}: the base vocabulary has {vocab} tokens; use "
+                        f"1..{vocab} (or leave it unset for the full vocabulary)")
+    return problems
+
+
+def load_base_config(spec: str):
+    """The base model's config for ``bundled[:NAME]`` or a path/Hub id, without its weights."""
+    from transformers import AutoConfig
+
+    if spec == "bundled" or spec.startswith("bundled:"):
+        from hf_kvspec.models import DEFAULT_MODEL, bundled_model_path
+
+        return AutoConfig.from_pretrained(bundled_model_path(spec.partition(":")[2] or DEFAULT_MODEL))
+    return AutoConfig.from_pretrained(spec)
 
 
 def _yaml_to_argv(config: dict) -> list[str]:

@@ -115,3 +115,24 @@ def test_help_does_not_import_torch(code):
     probe = code + "\nimport sys\nprint('torch' in sys.modules, 'transformers' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
     assert out.strip().splitlines()[-1] == "False False"
+
+
+@pytest.mark.parametrize("cache", ["int8", "fp8"])
+@pytest.mark.parametrize("assistant", ["medusa", "eagle"])
+def test_tree_assistant_on_a_windowless_quantized_cache_is_refused_with_cli_advice(monkeypatch, capsys, cache,
+                                                                                   assistant):
+    """The library's refusal names residual_length, which `generate` has no flag for: the CLI says what to type."""
+    import hf_kvspec.models
+
+    monkeypatch.setattr(hf_kvspec.models, "load_bundled_model", lambda *a, **k: pytest.fail("model loaded"))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", "hi", "--cache", cache, "--assistant", assistant])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "--tree chain" in err and "residual_length" not in err
+
+
+def test_tree_chain_on_int8_passes_the_checks():
+    from hf_kvspec.cli import build_parser
+
+    args = build_parser().parse_args(["generate", "hi", "--cache", "int8", "--assistant", "medusa", "--tree", "chain"])
+    args.check(args)  # no SystemExit

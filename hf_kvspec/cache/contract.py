@@ -262,3 +262,12 @@ def _not_croppable(cache) -> str:
     return (f"{name} cannot be cropped (is_croppable is False or crop() is missing): speculative decoding must "
             "remove rejected draft tokens from the cache with cache.crop(-k). Pass a croppable cache, e.g. "
             "cache=DynamicCache(config=model.config), hf_kvspec's PagedCache or QuantizedKVCache.")
+
+
+def check_config_arg(config, cache: str) -> None:
+    """Refuse ``None`` or a model where a cache constructor takes the model's config."""
+    if config is None:
+        raise TypeError(f"{cache} takes the model's config, e.g. {cache}(model.config); got None.")
+    if isinstance(config, torch.nn.Module):
+        raise TypeError(f"{cache} takes the model's config: pass model.config, not the model "
+                        f"({type(config).__name__}).")

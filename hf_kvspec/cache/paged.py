@@ -71,7 +71,7 @@ from hf_kvspec.stored_kv import PagedKV
 
 from .block_pool import BlockPool
 from .block_table import BlockTables
-from .contract import Capabilities, check_crop_arg, check_crop_length, check_keep_args, layer_ids
+from .contract import Capabilities, check_config_arg, check_crop_arg, check_crop_length, check_keep_args, layer_ids
 from .paged_layer import PagedLayer
 
 _SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -114,12 +114,13 @@ class PagedCache(Cache, Capabilities):
         memory_budget: int | str | None = None,
         dtype: torch.dtype | None = None,
     ):
+        check_config_arg(config, "PagedCache")
         text_config = config.get_text_config(decoder=True)
         layer_types, layer_kwargs = _compat.layer_types_and_kwargs(text_config)
         unsupported = sorted(set(layer_types) - set(_SUPPORTED_LAYER_TYPES))
         if unsupported:
             raise ValueError(f"PagedCache supports {_SUPPORTED_LAYER_TYPES} layers; this config has {unsupported}.")
-        if not isinstance(block_size, int) or block_size < 1:
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size must be a positive integer, got {block_size!r}.")
         if num_blocks is None:
             dtype = dtype or _config_dtype(text_config)
@@ -331,6 +332,10 @@ class PagedCache(Cache, Capabilities):
         """Physical block ids of row ``batch_idx`` (all layers share one table; ``layer_idx`` is validated only)."""
         if not 0 <= layer_idx < len(self.layers):
             raise IndexError(f"layer_idx {layer_idx} is outside 0..{len(self.layers) - 1}.")
+        if not 0 <= batch_idx < self.tables.num_rows:
+            raise IndexError(f"row {batch_idx}: the cache holds {self.tables.num_rows} rows; pass a row in "
+                             f"0..{self.tables.num_rows - 1}." if self.tables.num_rows else
+                             f"row {batch_idx}: the cache holds 0 rows (nothing was written yet).")
         return self.tables.table(batch_idx)
 
     def gather_positions(self, layer_idx: int, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

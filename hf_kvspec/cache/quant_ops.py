@@ -9,7 +9,7 @@ Layouts follow KIVI (Liu et al., arXiv:2402.02750):
     values  per token: a group is ``G`` consecutive *channels* of one token; codes ``[B, H, S, D·b/8]``,
             scale/zero ``[B, H, S, D/G]``.
     int8    per token, symmetric (scale only): codes int8 ``[B, H, S, D]``, scale ``[B, H, S, 1]``.
-    fp8     e4m3 codes ``[B, H, S, D]`` with one fp32 scale per (sequence, head) ``[B, H, 1, 1]``.
+    fp8     e4m3 codes ``[B, H, S, D]`` with one fp16 scale per token ``[B, H, S, 1]`` (as int8).
 Asymmetric groups store an fp16 scale and an fp16 zero (the group minimum): ``x ≈ code · scale + zero``.
 
 Shape legend: ``B`` batch, ``H`` kv heads, ``S`` tokens, ``D`` head dim, ``G`` group size, ``N = S / G`` groups,
@@ -24,9 +24,6 @@ import torch
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
-# Headroom of the frozen fp8 scale: later tokens may be up to this many times larger than the calibration
-# tokens before saturating; costs 2 of e4m3's ~15 binades of range, none of its 3-bit relative precision.
-FP8_HEADROOM = 4.0
 INT8_MAX = 127
 
 
@@ -182,19 +179,18 @@ def dequantize_int8(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
     return codes.to(dtype) * scale.to(dtype)
 
 
-def fp8_head_scale(x: torch.Tensor) -> torch.Tensor:
-    """fp32 scale per (sequence, head) ``[B, H, 1, 1]`` from calibration states x ``[B, H, S, D]``, with headroom."""
-    amax = x.float().abs().amax(dim=(2, 3), keepdim=True)
-    return (amax * FP8_HEADROOM / FP8_MAX).clamp_(min=torch.finfo(torch.float32).tiny)
-
-
-def quantize_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """e4m3 codes of ``x / scale``, saturating (a plain cast would turn out-of-range values into NaN)."""
-    return (x.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token e4m3. x ``[B, H, S, D]`` -> (codes ``[B, H, S, D]``, fp16 scale ``[B, H, S, 1]``). The scale maps
+    the token's largest magnitude onto e4m3's largest value (rounded up to fp16, so nothing saturates), so a
+    token's codes depend on that token alone, never on the other tokens of its update."""
+    xf = x.float()
+    scale = _round_up_fp16(xf.abs().amax(dim=-1, keepdim=True) / FP8_MAX)
+    safe = torch.where(scale == 0, torch.ones_like(scale), scale).float()
+    return (xf / safe).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale  # clamp: a plain cast overflows to NaN
 
 
 def dequantize_fp8(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return (codes.float() * scale).to(dtype)
+    return (codes.float() * scale.float()).to(dtype)
 
 
 _FP8_TABLE = torch.arange(256, dtype=torch.uint8).view(FP8_DTYPE).float()  # byte -> its e4m3 value
@@ -210,5 +206,5 @@ def fp8_codes_into(out: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
 
 
 def dequantize_fp8_into(out: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """``dequantize_fp8`` written into ``out`` (table decode, then the per-head scale)."""
+    """``dequantize_fp8`` written into ``out`` (table decode, then the per-token scale)."""
     return fp8_codes_into(out, codes).mul_(scale)

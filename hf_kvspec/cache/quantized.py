@@ -21,12 +21,13 @@ the window (unlike transformers' ``QuantizedCache``, which quantizes the whole p
 history at every flush).
 
 Read rule: every forward attends to exactly what the cache stores after its update — tokens flushed by this
-very update are read back dequantized. With per-token methods (int8/fp8) and window 0, every token therefore
-has one fixed representation from its first read on, whatever the number of tokens per forward: speculative
-verification over K+1 tokens reads bit-for-bit what K+1 single steps read. KIVI cannot promise that: a key is
-read exact until its group completes and quantized afterwards, so a verify forward that straddles a flush
-reads, for its earlier queries, a few tokens quantized that single steps still read exact (one tensor serves
-all queries of a forward). Deviation from KIVI: its prefill attends the whole prompt at full precision; here
+very update are read back dequantized. With per-token methods (int8/fp8: a token's codes and scale depend on
+that token alone, not on the rest of its update) and window 0, every token therefore has one fixed
+representation from its first read on, whatever the number of tokens per forward: speculative verification
+over K+1 tokens reads bit-for-bit what K+1 single steps read. With a window (any method) that cannot be
+promised: a token is read exact until it leaves the window and quantized afterwards, so a verify forward that
+flushes reads, for its earlier queries, tokens quantized that single steps still read exact (one tensor serves
+all queries of a forward; KIVI flushes whole groups, int8/fp8 single tokens). Deviation from KIVI: its prefill attends the whole prompt at full precision; here
 the prompt's flushed groups are read quantized already in the prefill forward (the newest
 ``residual_length`` tokens stay exact).
 
@@ -74,6 +75,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from hf_kvspec import stored_kv
 from hf_kvspec.cache.contract import (
     Capabilities,
+    check_config_arg,
     check_crop_arg,
     check_crop_length,
     check_keep_args,
@@ -98,7 +100,7 @@ class QuantSettings:
 
     method: str
     bits: int
-    group_size: int | None  # KIVI group; None for int8/fp8 (their scales are per token / per head)
+    group_size: int | None  # KIVI group; None for int8/fp8 (their scales are per token)
     residual_length: int
     sink_tokens: int
 
@@ -107,6 +109,10 @@ class QuantSettings:
                 sink_tokens: int) -> QuantSettings:
         if method not in METHODS:
             raise ValueError(f"method={method!r} is unknown; use one of {METHODS}.")
+        for name, value in (("bits", bits), ("group_size", group_size), ("residual_length", residual_length),
+                            ("sink_tokens", sink_tokens)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                raise ValueError(f"{name}={value!r} must be an int (or None for the method's default).")
         default_bits, default_group, default_residual = _DEFAULTS[method]
         bits = default_bits if bits is None else bits
         residual_length = default_residual if residual_length is None else residual_length
@@ -119,8 +125,8 @@ class QuantSettings:
             if bits != 8:
                 raise ValueError(f"method={method!r} stores 8-bit codes; got bits={bits}.")
             if group_size is not None:
-                raise ValueError(f"group_size applies to method='kivi' only ({method} scales are per "
-                                 f"{'token' if method == 'int8' else 'head'}); leave it unset.")
+                raise ValueError(f"group_size applies to method='kivi' only ({method} scales are per token); "
+                                 "leave it unset.")
             if not isinstance(residual_length, int) or residual_length < 0:
                 raise ValueError(f"residual_length={residual_length} must be a non-negative integer.")
         if not isinstance(sink_tokens, int) or sink_tokens < 0:
@@ -171,8 +177,7 @@ class QuantSettings:
         """Keyword arguments of ``hf_kvspec.memory.kv_cache_bytes`` describing this storage."""
         if self.method == "kivi":
             return {"bits": self.bits, "group_size": self.group_size, "residual_length": self.residual_length}
-        layout = "token" if self.method == "int8" else "head"
-        return {"bits": 8, "residual_length": self.residual_length, "scale_layout": layout}
+        return {"bits": 8, "residual_length": self.residual_length, "scale_layout": "token"}
 
 
 def _take(x: torch.Tensor, start: int, end: int | None = None) -> torch.Tensor:
@@ -201,7 +206,6 @@ class QuantizedKVLayer(CacheLayerMixin):
         self.device, self.dtype = key_states.device, key_states.dtype
         self.keys, self.values = _take(key_states, 0, 0), _take(value_states, 0, 0)
         self.sink_keys, self.sink_values = self.keys, self.values
-        self.store.start(key_states, value_states)
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, kwargs: dict | None = None, **_):
@@ -370,7 +374,7 @@ class QuantizedKVCache(Cache, Capabilities):
             divide the head dim, checked here). Not used by int8/fp8.
         residual_length: newest tokens kept at full precision (KIVI default 128, a multiple of
             ``group_size``; int8/fp8 default 0).
-        method: ``"kivi"``, ``"int8"`` (symmetric per token and head) or ``"fp8"`` (e4m3, per-head scales).
+        method: ``"kivi"``, ``"int8"`` (symmetric per token and head) or ``"fp8"`` (e4m3, per token and head).
         sink_tokens: first tokens kept at full precision forever (attention sinks).
 
     ``paired_attention`` is ``"kvspec_quant"`` when the config's model ran that attention at construction (the
@@ -383,6 +387,7 @@ class QuantizedKVCache(Cache, Capabilities):
 
     def __init__(self, config, bits: int | None = None, group_size: int | None = None,
                  residual_length: int | None = None, method: str = "kivi", sink_tokens: int = 0):
+        check_config_arg(config, "QuantizedKVCache")
         self.settings = QuantSettings.resolve(method, bits, group_size, residual_length, sink_tokens)
         text_config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
         layer_types = getattr(text_config, "layer_types", None) or ["full_attention"]

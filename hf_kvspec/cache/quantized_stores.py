@@ -58,10 +58,6 @@ class QuantizedStore(ABC):
     def __init__(self):
         self.length = 0  # S: tokens stored
 
-    def start(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Called with the layer's first states [B, H, S, D] (calibration hook; most stores ignore it)."""
-        return None  # an optional hook, not an abstract method
-
     @abstractmethod
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Quantize and append keys/values [B, H, n, D], ``n`` a multiple of ``granularity``."""
@@ -214,8 +210,7 @@ class _PerTokenStore(QuantizedStore):
 
     def _slice(self, units):
         for name, tensor in self.state.items():
-            if not name.endswith("scale_head"):  # per-head scales have no token axis
-                self.state[name] = tensor[:, :, :units]
+            self.state[name] = tensor[:, :, :units]
 
     def tensors(self):
         return dict(self.state)
@@ -252,32 +247,30 @@ class Int8Store(_PerTokenStore):
 
 
 class Fp8Store(_PerTokenStore):
-    """e4m3 codes [B, H, S, D] with one fp32 scale per (sequence, head) [B, H, 1, 1] for keys and for values,
-    calibrated once on the layer's first states (the prompt) with ``FP8_HEADROOM``, then frozen so codes
-    can be appended without re-quantization."""
-
-    def start(self, keys, values):
-        self.state["k.scale_head"] = ops.fp8_head_scale(keys)
-        self.state["v.scale_head"] = ops.fp8_head_scale(values)
+    """e4m3 per token and head: codes [B, H, S, D], one fp16 scale [B, H, S, 1] mapping the token's largest
+    magnitude onto e4m3's largest value. Per token (not one scale per head calibrated on the first update) so
+    that a token's codes do not depend on which other tokens came in its update: speculative decoding's first
+    forward carries the prompt and the first drafts, plain decoding's the prompt alone."""
 
     def append(self, keys, values):
         for prefix, x in (("k", keys), ("v", values)):
-            codes = ops.quantize_fp8(x, self.state[f"{prefix}.scale_head"])
+            codes, scale = ops.quantize_fp8(x)
             self.state[f"{prefix}.codes"] = _cat(self.state.get(f"{prefix}.codes"), codes, 2)
+            self.state[f"{prefix}.scale"] = _cat(self.state.get(f"{prefix}.scale"), scale, 2)
         self.length += keys.shape[2]
 
     def dequantize_into(self, keys_out, values_out):
         s = self.state
-        ops.dequantize_fp8_into(keys_out, s["k.codes"], s["k.scale_head"])
-        ops.dequantize_fp8_into(values_out, s["v.codes"], s["v.scale_head"])
+        ops.dequantize_fp8_into(keys_out, s["k.codes"], s["k.scale"])
+        ops.dequantize_fp8_into(values_out, s["v.codes"], s["v.scale"])
 
     def key_scores(self, query, workspace):
-        # one scale per (sequence, head): applied to the M·S scores instead of the S·D decoded codes
-        codes = self.state["k.codes"]
+        # q·k_t = s_t Σ_d q_d e_{t,d}: the per-token scale multiplies the M·S scores, not the S·D decoded codes
+        codes, scale = self.state["k.codes"], self.state["k.scale"]
         raw = ops.fp8_codes_into(workspace.take(codes.shape, query.dtype, query.device), codes)
-        return torch.matmul(query, raw.transpose(-1, -2)) * self.state["k.scale_head"].to(query.dtype)
+        return torch.matmul(query, raw.transpose(-1, -2)) * scale.to(query.dtype).transpose(-1, -2)
 
     def weighted_values(self, probs, workspace):
-        codes = self.state["v.codes"]
+        codes, scale = self.state["v.codes"], self.state["v.scale"]
         raw = ops.fp8_codes_into(workspace.take(codes.shape, probs.dtype, probs.device), codes)
-        return torch.matmul(probs, raw) * self.state["v.scale_head"].to(probs.dtype)
+        return torch.matmul(probs * scale.to(probs.dtype).transpose(-1, -2), raw)  # scale folded into the weights

@@ -39,6 +39,7 @@ def load_bundled_heads(kind: str = "medusa", base_model=None, dtype: torch.dtype
     from hf_kvspec.heads.modeling_exit import ExitAdapter
     from hf_kvspec.heads.modeling_medusa import MedusaHeads
 
+    path = bundled_heads_path(kind, base)  # refuses an unknown kind, naming the known ones
     model_class = {"medusa": MedusaHeads, "eagle": EagleHead, "early_exit": ExitAdapter}[kind]
-    head = model_class.from_pretrained(bundled_heads_path(kind, base), dtype=dtype).eval()
+    head = model_class.from_pretrained(path, dtype=dtype).eval()
     return head.attach(base_model) if base_model is not None else head

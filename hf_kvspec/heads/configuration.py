@@ -75,7 +75,7 @@ class MedusaConfig(DraftHeadConfig):
 
     Args:
         num_heads: number of heads K (draft depth).
-        num_layers: residual SiLU blocks per head; each block is its own module.
+        num_layers: residual SiLU blocks per head (at least 1); each block is its own module.
         share_lm_head: project with the base model's (frozen) LM head instead of storing one ``[V, H]`` matrix per head.
     """
 
@@ -86,9 +86,10 @@ class MedusaConfig(DraftHeadConfig):
     share_lm_head: bool = True
 
     def validate_architecture(self):
-        if not (_is_count(self.num_heads, 1) and _is_count(self.num_layers, 0)):
-            raise ValueError(f"MedusaConfig needs num_heads >= 1 and num_layers >= 0 (ints), got {self.num_heads!r}, "
-                             f"{self.num_layers!r}.")
+        for field in ("num_heads", "num_layers"):  # a Medusa head is at least one residual block (2401.10774)
+            value = getattr(self, field)
+            if not _is_count(value, 1):
+                raise ValueError(f"MedusaConfig {field}={value!r}: needs an int, at least 1.")
 
 
 @strict

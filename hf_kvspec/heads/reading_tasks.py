@@ -88,10 +88,13 @@ def _passages(corpus: str, needed: int, rng: random.Random) -> list[str]:
     return passages
 
 
+CORPORA = ("python-docs", "python-stdlib")  # the corpora reading_tasks has instructions for
+
+
 def reading_tasks(count: int, seed: int = 0, corpora: tuple[str, ...] = ("python-docs", "python-stdlib"),
                   oversample: float = 2.0) -> list[ReadingTask]:
     """Up to ``oversample * count`` tasks, corpora and instructions in turn (callers filter, then keep ``count``)."""
-    known = {"python-docs": PROSE_INSTRUCTIONS, "python-stdlib": CODE_INSTRUCTIONS}
+    known = {"python-docs": PROSE_INSTRUCTIONS, "python-stdlib": CODE_INSTRUCTIONS}  # keys: CORPORA
     unknown = [c for c in corpora if c not in known]
     if unknown:
         raise ValueError(f"No reading instructions for corpora {unknown}; known: {sorted(known)}.")

@@ -261,13 +261,11 @@ def _user(text: str) -> dict:
 def _reading(settings: RecipeSettings, sieve: _Filter, recipe: dict) -> list:
     from hf_kvspec.heads.reading_tasks import reading_tasks
 
-    if not settings.num_reading:
-        return []
-    tasks = reading_tasks(settings.num_reading, settings.seed, settings.corpora)
+    tasks = reading_tasks(settings.num_reading, settings.seed, settings.corpora) if settings.num_reading else []
     kept, recipe["reading"] = sieve.keep([t.prompt for t in tasks])
     chosen = [tasks[i] for i in kept][:settings.num_reading]
     recipe["reading"]["kept"] = len(chosen)
-    recipe["reading"]["per_corpus"] = {c: sum(t.corpus == c for t in chosen) for c in settings.corpora}
+    recipe["reading"]["per_corpus"] = {c: sum(t.corpus == c for t in chosen) for c in settings.corpora if tasks}
     return chosen
 
 

@@ -83,6 +83,11 @@ def fidelity(logprob: list, reference_logprob: list, kl: list, top1_match: list)
     tokens = len(logprob)
     if not tokens:
         raise ValueError("cache_fidelity got no tokens: add_batch(**token_statistics(...)) before compute().")
+    for name, values in (("logprob", logprob), ("reference_logprob", reference_logprob), ("kl", kl)):
+        bad = next((i for i, v in enumerate(values) if math.isnan(v)), None)
+        if bad is not None:
+            raise ValueError(f"{name} holds NaN at token {bad}: the run that produced it went non-finite; "
+                             "token_statistics refuses such logits and says where.")
     perplexity = math.exp(-math.fsum(logprob) / tokens)
     reference = math.exp(-math.fsum(reference_logprob) / tokens)
     return {"perplexity": perplexity, "reference_perplexity": reference,
@@ -104,6 +109,8 @@ def token_statistics(logits: torch.Tensor, reference_logits: torch.Tensor, label
         raise ValueError(f"logits {tuple(logits.shape)}, reference_logits {tuple(reference_logits.shape)} and labels "
                          f"{tuple(labels.shape)} must cover the same [B, T] positions (labels shifted to match).")
     keep = labels != IGNORE_INDEX                                                         # [B, T]
+    _check_finite(logits, keep, "logits")
+    _check_finite(reference_logits, keep, "reference_logits")
     log_probs = torch.log_softmax(logits[keep].float(), dim=-1)                           # [N, V]
     reference = torch.log_softmax(reference_logits[keep].float(), dim=-1)                 # [N, V]
     targets = labels[keep][:, None]                                                       # [N, 1]
@@ -125,3 +132,17 @@ def _check_label_ids(logits, reference_logits, labels) -> None:
     if scored.numel() and (scored.min() < 0 or scored.max() >= vocab):
         raise ValueError(f"labels must be token ids in 0..{vocab - 1} (or {IGNORE_INDEX} to skip a position), got "
                          f"values in {int(scored.min())}..{int(scored.max())}.")
+
+
+def _check_finite(logits: torch.Tensor, keep: torch.Tensor, name: str) -> None:
+    """Refuse NaN / +inf logits and rows masked entirely (-inf everywhere) at scored positions: they would turn
+    perplexity and KL into NaN. -inf entries are fine (a processor masking part of the vocabulary)."""
+    broken = (logits.isnan() | logits.isposinf()).any(-1) & keep                         # [B, T]
+    if broken.any():
+        where = broken.nonzero()[0].tolist()
+        raise ValueError(f"{name} hold NaN or +inf at {where} (batch, position) among {int(broken.sum())} scored "
+                         "positions: the run went non-finite (overflowing dtype or cache); fix that run first.")
+    empty = logits.isneginf().all(-1) & keep                                             # [B, T]
+    if empty.any():
+        raise ValueError(f"{name} give no distribution at {empty.nonzero()[0].tolist()} (batch, position): every "
+                         f"entry is -inf; pass {IGNORE_INDEX} as that position's label to skip it.")

@@ -100,7 +100,8 @@ def acceptance(candidates: list, references: list, tree: list | None = None, wit
     if not candidates:
         raise ValueError("draft_acceptance got no responses: add(predictions=..., references=...) before compute().")
     depth = _common_depth(candidates)
-    paths = _tree_paths(tree, depth)
+    _check_references(references)
+    paths = _tree_paths(tree, depth, _candidate_width(candidates))
     hits, topk_hits, counts = [0] * depth, [0] * depth, [0] * depth
     emitted = chain_forwards = tree_forwards = 0
     for drafts, refs in zip(candidates, references):
@@ -163,7 +164,8 @@ def deepest_node(ranks_at_t: list[int], paths: set[tuple[int, ...]]) -> int:
     return accepted
 
 
-def _tree_paths(tree: list | None, depth: int) -> set[tuple[int, ...]]:
+def _tree_paths(tree: list | None, depth: int, width: int) -> set[tuple[int, ...]]:
+    """The tree as a set of rank paths; refused when a path could never be walked on these predictions."""
     if tree is None:
         return {(0,) * d for d in range(1, depth + 1)}
     paths = {tuple(path) for path in tree}
@@ -173,7 +175,32 @@ def _tree_paths(tree: list | None, depth: int) -> set[tuple[int, ...]]:
     orphans = [p for p in paths if len(p) > 1 and p[:-1] not in paths]
     if orphans:
         raise ValueError(f"tree paths {sorted(orphans)[:3]} lack their parent path; list every prefix of a path.")
+    deep = max(paths, key=len)
+    if len(deep) > depth:
+        raise ValueError(f"tree path {list(deep)} is {len(deep)} deep but the predictions give {depth} depths: "
+                         f"draft {len(deep)} depths or drop the deeper paths.")
+    wide = max(paths, key=max)
+    if max(wide) >= width:
+        raise ValueError(f"tree path {list(wide)} uses candidate rank {max(wide)} but the predictions rank at most "
+                         f"{width} candidates per step: give more candidates or drop the wider paths.")
     return paths
+
+
+def _candidate_width(candidates: list) -> int:
+    """The most candidates any step ranks."""
+    return max((len(guesses) for drafts in candidates for row in drafts for guesses in row), default=0)
+
+
+def _check_references(references: list) -> None:
+    """Token ids are >= 0 (-1 pads predictions, and would match it); a response has at least one token."""
+    for i, refs in enumerate(references):
+        if not len(refs):
+            raise ValueError(f"references[{i}] is empty: a response without tokens has nothing to score; drop it "
+                             "(and its predictions).")
+        bad = next((t for t, token in enumerate(refs) if token < 0), None)
+        if bad is not None:
+            raise ValueError(f"references[{i}][{bad}] = {refs[bad]}: references are the target's token ids >= 0 "
+                             "(-1 pads predictions only); cut the response before padding instead of padding it.")
 
 
 def _common_depth(candidates: list) -> int:

@@ -80,3 +80,10 @@ def test_card_numbers_reproduce(bundled, kind):
     assert measured["tau"] == pytest.approx(summary["held_out"]["tau"], abs=0.05)
     for found, expected in zip(measured["per_head_top1"], summary["held_out"]["per_head_top1"]):
         assert found == pytest.approx(expected, abs=0.02)
+
+
+def test_unknown_bundled_head_kind_names_the_kinds():
+    from hf_kvspec.heads.bundled import load_bundled_heads
+
+    with pytest.raises(ValueError, match=r"kind must be one of .*'hydra'"):
+        load_bundled_heads("hydra")

@@ -83,3 +83,29 @@ def test_add_batch_over_chunks_equals_one_batch():
 def test_shape_mismatch_names_the_fix():
     with pytest.raises(ValueError, match="shifted"):
         token_statistics(torch.zeros(1, 3, 5), torch.zeros(1, 3, 5), torch.zeros(1, 4, dtype=torch.long))
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+@pytest.mark.parametrize("which", ["logits", "reference_logits"])
+def test_non_finite_logits_are_refused(bad, which):
+    """NaN (or +inf) logits used to flow into NaN perplexity and KL without a word."""
+    logits = {"logits": torch.randn(1, 4, 10), "reference_logits": torch.randn(1, 4, 10)}
+    logits[which][0, 2, 3] = bad
+    with pytest.raises(ValueError, match=rf"{which} hold NaN or \+inf at \[0, 2\]"):
+        token_statistics(**logits, labels=torch.randint(0, 10, (1, 4)))
+
+
+def test_masked_vocabulary_entries_are_fine_but_an_all_masked_row_is_not():
+    logits = torch.randn(1, 4, 10)
+    logits[0, :, 5:] = float("-inf")  # a processor masked half the vocabulary: still a distribution
+    stats = token_statistics(logits, logits, torch.zeros(1, 4, dtype=torch.long))
+    assert stats["kl"] == [0.0] * 4
+    logits[0, 1] = float("-inf")
+    with pytest.raises(ValueError, match=r"logits give no distribution at \[0, 1\]"):
+        token_statistics(logits, logits.clone(), torch.zeros(1, 4, dtype=torch.long))
+
+
+def test_nan_token_statistics_are_refused():
+    with pytest.raises(ValueError, match=r"kl holds NaN"):
+        load_metric("cache_fidelity", keep_in_memory=True).compute(
+            logprob=[-1.0, -2.0], reference_logprob=[-1.0, -2.0], kl=[0.0, float("nan")], top1_match=[True, True])

@@ -133,3 +133,28 @@ def test_errors_name_the_fix():
         acceptance([[[[1]], [[2]]]], [[1]], tree=[[0, 0]])
     with pytest.raises(ValueError, match="'chain' or 'tree'"):
         load_metric("draft_acceptance", "beam")
+
+
+def test_negative_reference_ids_are_refused():
+    """-1 pads predictions; in references it matched every -1 draft (all -1 -> top-1 1.0, tau 1.5)."""
+    with pytest.raises(ValueError, match=r"references\[0\]\[1\] = -1.*token ids >= 0"):
+        load_metric("draft_acceptance", keep_in_memory=True).compute(predictions=[[[-1, -1, -1]]],
+                                                                     references=[[5, -1, 7]])
+
+
+def test_an_empty_response_is_refused():
+    with pytest.raises(ValueError, match=r"references\[1\] is empty.*drop"):
+        acceptance([[[[1]], [[2]]], [[], []]], [[1, 2], []])
+
+
+@pytest.mark.parametrize("tree,words", [
+    ([[0], [0, 0], [0, 0, 0]], r"3 deep.*2 depths"),
+    ([[0], [2]], r"rank 2.*2 candidates"),
+])
+def test_tree_paths_beyond_the_predictions_are_refused(tree, words):
+    """Depth-3 paths over depth-2 predictions, or rank 2 over 2-candidate lists, could never be walked: they were
+    silently ignored, so a typo in the tree went unnoticed."""
+    predictions = [[[[11, 12], [12, 13], [-1, -1]], [[12, 13], [-1, -1], [-1, -1]]]]  # [responses][K=2][n=3][2]
+    with pytest.raises(ValueError, match=words):
+        load_metric("draft_acceptance", "tree", keep_in_memory=True).compute(
+            predictions=predictions, references=[[10, 11, 12]], tree=tree)
