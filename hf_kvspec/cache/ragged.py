@@ -42,7 +42,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from hf_kvspec import _compat
-from hf_kvspec.memory import parse_bytes
+from hf_kvspec.memory import is_mla, parse_bytes
 
 from . import channel
 from .block_pool import BlockPool
@@ -97,6 +97,9 @@ class RaggedPagedCache(Cache):
         if unsupported:
             raise ValueError(f"RaggedPagedCache supports {_SUPPORTED_LAYER_TYPES} layers; this config has "
                              f"{unsupported}.")
+        if is_mla(text_config):
+            raise ValueError("RaggedPagedCache does not hold MLA (DeepSeek-V2/V3) latents yet: the model's attention "
+                             "expands its cached latent itself. Serve MLA models with generate() and PagedCache.")
         layers = [PagedLayer(num_blocks, block_size, kw.get("sliding_window"), dtype) for kw in layer_kwargs]
         super().__init__(layers=layers)
         self.block_size = block_size

@@ -148,3 +148,8 @@ def test_bad_settings_are_refused(llama):
         engine.add_request([4, 5], do_sample=True, temperature=0.0)
     with pytest.raises(ValueError, match="tokenizer"):
         engine.add_request("text needs a tokenizer")
+
+
+def test_mla_models_are_refused_by_name():
+    with pytest.raises(ValueError, match="MLA"):
+        Engine(tiny_model("deepseek_v3"), kv_budget=16)
