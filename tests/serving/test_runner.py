@@ -76,3 +76,24 @@ def test_a_failed_forward_leaves_no_reservation(llama):
         runner.forward([ForwardRow(0, [5, 6, 7, 8, 9], 0)])  # more tokens than reserved: refused up front
     cache.end_forward(ok=False)
     assert cache.num_free_blocks() == 8 and cache.length(0) == 0
+
+
+def test_rollback_into_a_shared_prefix_block_copies_it(llama):
+    """Sequence 1 attaches sequence 0's cached blocks, rolls back into one of them and writes other tokens there:
+    copy-on-write keeps sequence 0's K/V intact."""
+    cache = RaggedPagedCache(llama.config, num_blocks=16, block_size=4)
+    runner = ForwardRunner(llama, cache)
+    prompt = random_prompts([12], seed=41)[0]
+    cache.add_sequence(0, prompt)
+    forward(runner, cache, [ForwardRow(0, prompt, 0)])
+    assert cache.add_sequence(1, [*prompt, 9]) == 12  # all three blocks served from the cache
+    shared = cache.tables.table(cache._row_of[1])[1]
+    cache.truncate(1, 6)  # into the second shared block
+    used_before = cache.num_total_blocks() - cache.num_free_blocks()
+    new = [21, 22, 23]
+    logits = forward(runner, cache, [ForwardRow(1, new, 6, logits_at=(2,)), ForwardRow(0, [5], 12, logits_at=(0,))])
+    assert cache.tables.table(cache._row_of[1])[1] != shared  # copied, not written in place
+    # + the copy of the shared block, + seq 1's block for position 8, + seq 0's block for position 12
+    assert cache.num_total_blocks() - cache.num_free_blocks() == used_before + 3
+    torch.testing.assert_close(logits[0], plain_last_logits(llama, prompt[:6] + new), **TOL)
+    torch.testing.assert_close(logits[1], plain_last_logits(llama, [*prompt, 5]), **TOL)
