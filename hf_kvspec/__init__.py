@@ -68,6 +68,10 @@ _EXPORTS: dict[str, str] = {
     "AcceptanceStats": "hf_kvspec.speculative.stats",
     "truncated_draft": "hf_kvspec.speculative.drafters.truncated",
     "make_assistant": "hf_kvspec.speculative.assistants",
+    # continuous batching
+    "Engine": "hf_kvspec.serving.engine",
+    "RequestTooLongError": "hf_kvspec.serving.request",
+    "SchedulingPolicy": "hf_kvspec.serving.scheduler",
 }
 
 _DEPRECATED = {"Drafter", "EagleDrafter"}  # importable for old code, left out of ``import *``

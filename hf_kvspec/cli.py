@@ -1,4 +1,5 @@
-"""``hf-kvspec`` command line: ``generate`` on the bundled model and ``memory`` arithmetic.
+"""``hf-kvspec`` command line: ``generate`` on the bundled model, ``batch`` (offline continuous batching),
+``memory`` arithmetic and ``export-heads``.
 
 Boundary: argument parsing and printing only; every computation lives in the library. Arguments are checked
 before anything heavy runs (types in ``argparse``, combinations in ``_check_*``), and torch/transformers are
@@ -395,12 +396,78 @@ def _load_base_model(spec: str):
     return AutoModelForCausalLM.from_pretrained(spec)
 
 
+def _kv_budget(text: str) -> int | str:
+    """``--kv-budget``: a plain integer is a block count, anything else a byte size (kept as text)."""
+    if text.isdigit():
+        return _count(1)(text)
+    _byte_size(text)
+    return text
+
+
+def _add_batch(subparsers) -> None:
+    p = subparsers.add_parser("batch", help="run a JSON Lines file of prompts through the continuous-batching Engine")
+    p.add_argument("prompts", help="JSON Lines: one {\"prompt\" | \"messages\" | \"input_ids\": ...} per line "
+                                   "(see docs/engine.md)")
+    p.add_argument("--out", required=True, help="results, one JSON object per input line, same order")
+    p.add_argument("--model", default="smollm2-135m-instruct", help="bundled model name")
+    p.add_argument("--max-new-tokens", type=_count(1), default=128, help="default for lines that do not say")
+    p.add_argument("--temperature", type=_temperature, default=0.0, help="default for lines that do not say; 0 = greedy")
+    p.add_argument("--kv-budget", type=_kv_budget, default="256MB",
+                   help="KV cache: a byte size (e.g. 256MB) or a plain number of blocks")
+    p.add_argument("--block-size", type=_count(1), default=16)
+    p.add_argument("--max-tokens-per-round", type=_count(1), default=256, help="token budget of one forward")
+    p.add_argument("--max-running", type=_count(1), default=16, help="requests running at once")
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--no-chat", action="store_true", help="feed \"prompt\" text raw, without the chat template")
+    p.add_argument("--threads", type=_count(1), default=2)
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=_run_batch, check=functools.partial(_check_batch, p))
+
+
+def _check_batch(parser, args) -> None:
+    from hf_kvspec.models import BUNDLED_MODELS
+
+    if args.model not in BUNDLED_MODELS:
+        parser.error(f"--model {args.model!r} is not a bundled model; choose one of {', '.join(BUNDLED_MODELS)}.")
+    if args.max_running > args.max_tokens_per_round:
+        parser.error(f"--max-running {args.max_running} exceeds --max-tokens-per-round {args.max_tokens_per_round}: "
+                     "every running request needs a token of each round.")
+
+
+def _run_batch(args) -> None:
+    import torch
+
+    from hf_kvspec.models import load_bundled_model
+    from hf_kvspec.serving.engine import Engine
+    from hf_kvspec.serving.offline import read_requests, run_requests, write_results
+
+    requests = read_requests(args.prompts)  # a malformed file fails before the model loads
+    torch.set_num_threads(args.threads)
+    model, tokenizer = load_bundled_model(args.model)
+    engine = Engine(model, tokenizer, kv_budget=args.kv_budget, block_size=args.block_size,
+                    max_tokens_per_round=args.max_tokens_per_round, max_running=args.max_running,
+                    enable_prefix_caching=not args.no_prefix_caching)
+    started = time.perf_counter()
+    results = run_requests(engine, requests, {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature},
+                           chat=not args.no_chat, progress_bar=not args.no_progress)
+    seconds = time.perf_counter() - started
+    write_results(args.out, results)
+    stats = engine.telemetry()
+    tokens = sum(len(r["output_ids"]) for r in results)
+    print(f"{len(results)} requests, {tokens} output tokens in {seconds:.1f} s ({tokens / seconds:.1f} tokens/s) "
+          f"-> {args.out}")
+    print(f"rounds {stats['rounds']}, tokens/forward {stats['tokens_per_forward']:.1f}, preemptions "
+          f"{stats['preemptions']}, prefix hit rate {stats['prefix_hit_rate']:.0%}, mean block use "
+          f"{stats['mean_block_utilization']:.0%}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hf-kvspec", description="KV caches and speculative decoding for transformers")
     subparsers = parser.add_subparsers(dest="command", required=True)
     _add_generate(subparsers)
     _add_memory(subparsers)
     _add_export_heads(subparsers)
+    _add_batch(subparsers)
     return parser
 
 

@@ -1,0 +1,178 @@
+"""A request of the serving engine: its generation settings, its state between rounds and its telemetry.
+
+Boundary: plain data and the few rules that are the request's own (when it is finished, what it feeds next).
+It knows nothing about blocks (``RaggedPagedCache``), rounds (``scheduler.py``) or the model (``runner.py``).
+
+Token bookkeeping: ``tokens = prompt_ids + output_ids``; ``num_computed`` of them have K/V in the cache. A round
+feeds ``tokens[num_computed : num_computed + n]``; when that reaches the end of ``tokens`` the round samples
+the next token from the last position's logits. A decode step is the case ``n == 1`` (only the newest token
+is uncomputed); a prefill is any longer run, possibly split over rounds (chunked prefill). Preemption by
+recompute sets ``num_computed`` back to 0: the request is prefilled again over prompt *and* output.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+
+class RequestTooLongError(ValueError):
+    """A request can never fit: its prompt plus ``max_new_tokens`` exceed the KV budget or the model's positions."""
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    LENGTH = "length"  # max_new_tokens reached
+    EOS = "eos"  # an end-of-sequence token was generated (it is part of the output, as in generate())
+    STOP = "stop"  # a stop string appeared in the decoded output
+    CANCELLED = "cancelled"
+
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    """Per-request generation settings (the subset of ``GenerationConfig`` the engine honours)."""
+
+    max_new_tokens: int = 32
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    seed: int | None = None  # with do_sample: a per-request generator, so samples ignore who else runs
+    eos_token_id: tuple[int, ...] = ()
+    stop_strings: tuple[str, ...] = ()
+    # callables (input_ids [1, L], scores [1, V]) -> scores [1, V], e.g. a transformers LogitsProcessorList
+    logits_processor: Sequence[Callable] = ()
+
+    def __post_init__(self):
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}.")
+        if self.do_sample and not self.temperature > 0:
+            raise ValueError(f"do_sample=True needs temperature > 0, got {self.temperature}; use do_sample=False "
+                             "for greedy decoding.")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be a non-negative integer (0 = off), got {self.top_k!r}.")
+
+
+@dataclass
+class RequestMetrics:
+    """Per-request telemetry; times are ``time.perf_counter()`` seconds."""
+
+    arrival_time: float = field(default_factory=time.perf_counter)
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    num_output_tokens: int = 0
+    cached_prompt_tokens: int = 0  # served by prefix reuse at the first admission
+    num_preemptions: int = 0
+    tau: float | None = None  # speculation: tokens per target forward (None: no assistant)
+    acceptance_rate: float | None = None  # speculation: accepted / drafted tokens (None: no assistant)
+
+    @property
+    def ttft(self) -> float | None:
+        """Time to first token: arrival to the first sampled token."""
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def time_per_output_token(self) -> float | None:
+        """Mean time between output tokens after the first (None with fewer than two tokens)."""
+        if self.finish_time is None or self.first_token_time is None or self.num_output_tokens < 2:
+            return None
+        return (self.finish_time - self.first_token_time) / (self.num_output_tokens - 1)
+
+
+@dataclass(frozen=True)
+class RequestDelta:
+    """What one round did for one request."""
+
+    request_id: int
+    new_token_ids: tuple[int, ...]
+    finished: bool
+    finish_reason: FinishReason | None = None
+
+
+@dataclass
+class RequestOutput:
+    """A finished request, as ``Engine.generate_batch`` returns it."""
+
+    request_id: int
+    prompt_ids: list[int]
+    output_ids: list[int]
+    finish_reason: FinishReason | None
+    metrics: RequestMetrics
+    text: str | None = None
+
+
+class Request:
+    """One request's state between rounds (see the module docstring for the token bookkeeping)."""
+
+    def __init__(self, request_id: int, prompt_ids: Sequence[int], settings: SamplingSettings,
+                 salt: str | None = None):
+        self.request_id = request_id
+        self.prompt_ids = list(prompt_ids)
+        self.settings = settings
+        self.salt = salt
+        self.output_ids: list[int] = []
+        self.num_computed = 0
+        self.status = RequestStatus.WAITING
+        self.finish_reason: FinishReason | None = None
+        self.metrics = RequestMetrics()
+        self.generator = _generator(settings)
+        self.read_cursor = 0  # output tokens already yielded by Engine.stream
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_uncomputed(self) -> int:
+        return self.num_tokens - self.num_computed
+
+    @property
+    def is_decoding(self) -> bool:
+        """Only the newest token lacks K/V: the next round is a one-token decode step."""
+        return self.num_uncomputed == 1
+
+    @property
+    def finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def append_token(self, token: int, now: float) -> None:
+        self.output_ids.append(token)
+        self.metrics.num_output_tokens = len(self.output_ids)
+        if self.metrics.first_token_time is None:
+            self.metrics.first_token_time = now
+
+    def finish(self, reason: FinishReason, now: float) -> None:
+        self.status, self.finish_reason = RequestStatus.FINISHED, reason
+        self.metrics.finish_time = now
+
+    def reset_for_recompute(self) -> None:
+        """Preempted: its K/V are gone; it will be prefilled again over prompt and output."""
+        self.num_computed = 0
+        self.status = RequestStatus.WAITING
+        self.metrics.num_preemptions += 1
+
+
+def _generator(settings: SamplingSettings) -> torch.Generator | None:
+    if not settings.do_sample:
+        return None
+    generator = torch.Generator()
+    if settings.seed is None:
+        generator.seed()
+    else:
+        generator.manual_seed(settings.seed)
+    return generator

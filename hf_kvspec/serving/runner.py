@@ -1,0 +1,104 @@
+"""One forward over ragged rows: packs a round's scheduled rows into a single sequence (batch 1, per-token
+``position_ids``), runs the unmodified transformers model on it and returns the logits the round samples from.
+
+Boundary: input building and the forward only. What to run comes from ``scheduler.py``; K/V storage and the
+packed layout's bookkeeping are ``RaggedPagedCache``'s; attention over the rows is ``attention.py``
+(``kvspec_ragged``), to which the model is switched for the duration of the forward only, so the model stays
+usable by ``generate`` and everything else between rounds. Committing or rolling back the round's K/V is the
+caller's (``cache.end_forward``), once the round's tokens are chosen.
+
+Layout of a round with rows a (decode), b (prefill chunk of 3), c (decode):
+
+    input_ids     [[ a5 | b0 b1 b2 | c9 ]]     T = 5 packed columns
+    position_ids  [[  5 |  0  1  2 |  9 ]]     each row's own positions
+    logits rows      a5 (col 0), b2 (col 3) if b's chunk ends its prompt, c9 (col 4)
+
+Speculation seam: ``ForwardRow`` is the general row — draft tokens appended after a decode row's real token,
+with tree positions and a tree mask among the new tokens, and logits at every node — so a verify forward of
+several requests is one packed run; the rejected tail is then rolled back per sequence with
+``cache.truncate(seq_id, length)`` (``tests/serving/test_runner.py`` checks both against plain forwards).
+
+Shape legend: T packed tokens of the round · K logits rows kept · V vocabulary.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+from hf_kvspec import _compat
+from hf_kvspec.cache.ragged import RaggedPagedCache, RaggedRow
+
+from .attention import ATTN_NAME
+from .scheduler import ScheduledRow
+
+
+@contextmanager
+def ragged_attention_switched(model):
+    """The model attends with ``kvspec_ragged`` inside the block and with what it had before, after."""
+    previous = _compat.attn_implementation(model.config)
+    model.set_attn_implementation(ATTN_NAME)
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(previous)
+
+
+@dataclass(frozen=True)
+class ForwardRow:
+    """One sequence's part of a packed forward, in the most general form the runner takes.
+
+    A scheduled row feeds consecutive tokens and wants the last one's logits; a speculative verify row (the
+    seam for drafters) appends draft tokens with tree positions and a tree mask and wants logits at every node.
+    """
+
+    seq_id: int
+    token_ids: Sequence[int]  # the new tokens, n of them
+    start: int  # tokens of the sequence already stored
+    positions: Sequence[int] | None = None  # n position ids; None: start .. start + n - 1
+    new_token_mask: torch.Tensor | None = None  # [n, n] bool among the new tokens; None: causal
+    logits_at: tuple[int, ...] = ()  # indices into token_ids whose logits the forward returns
+
+    @classmethod
+    def scheduled(cls, row: ScheduledRow) -> ForwardRow:
+        tokens = row.request.tokens[row.start: row.start + row.num_tokens]
+        return cls(row.request.request_id, tokens, row.start, logits_at=(row.num_tokens - 1,) if row.samples else ())
+
+
+class ForwardRunner:
+    """Builds the packed inputs of a round and runs the model over them."""
+
+    def __init__(self, model, cache: RaggedPagedCache):
+        self.model, self.cache = model, cache
+        self.device = model.device
+
+    def pack(self, rows: Sequence[ForwardRow]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(input_ids [1, T], position_ids [1, T], logits_columns [K])`` of the rows, in row order."""
+        ids, positions, logits_columns = [], [], []
+        for row in rows:
+            logits_columns += [len(ids) + i for i in row.logits_at]
+            ids += row.token_ids
+            positions += row.positions if row.positions is not None else range(row.start, row.start + len(row.token_ids))
+        return self._long([ids]), self._long([positions]), self._long(logits_columns)
+
+    def _long(self, values) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=self.device)
+
+    def forward(self, rows: Sequence[ForwardRow]) -> torch.Tensor:  # [K, V]
+        """Forward the rows (each ``reserve``d); their new K/V are written, uncommitted until the caller's
+        ``cache.end_forward``. Returns the logits asked for by ``logits_at``, row by row."""
+        input_ids, position_ids, logits_columns = self.pack(rows)
+        self.cache.begin_forward([RaggedRow(r.seq_id, r.start, len(r.token_ids), r.new_token_mask) for r in rows],
+                                 self.device)
+        # no_grad, not inference_mode: pages made inside inference mode could not be copied (copy-on-write) outside it
+        with torch.no_grad(), ragged_attention_switched(self.model):
+            out = self.model(input_ids=input_ids, position_ids=position_ids, cache=self.cache, use_cache=True,
+                             logits_to_keep=logits_columns)
+        return out.logits[0]
+
+    def run(self, rows: Sequence[ScheduledRow]) -> torch.Tensor:  # [K, V]
+        """A round's scheduled rows; logits of the rows that sample, in order."""
+        return self.forward([ForwardRow.scheduled(row) for row in rows])

@@ -1,0 +1,70 @@
+"""Choosing each request's next token from its logits, and deciding when a request is done.
+
+Boundary: one request at a time, plain torch on a ``[V]`` logits row; no cache, no scheduling. Greedy takes the
+argmax of the processed scores, as ``generate(do_sample=False)`` does; sampling applies transformers' own
+temperature / top-k / top-p warpers in ``generate``'s order and draws with the request's ``torch.Generator``,
+so a seeded request's samples depend on its own logits only, never on which other requests share the round.
+
+Deviation from ``GenerationConfig``: ``top_k`` defaults to 0 (off) here, not 50 — a sampled request gets the
+model's distribution unless it asks for truncation.
+
+Shape legend: V vocabulary · L prompt + output tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+from .request import FinishReason, Request
+
+
+def process_scores(request: Request, logits: torch.Tensor) -> torch.Tensor:  # [V] -> [1, V] fp32
+    """The request's logits processors (if any) on fp32 scores, with its tokens so far as ``input_ids``."""
+    scores = logits.to(torch.float32)[None]
+    if request.settings.logits_processor:
+        input_ids = torch.tensor([request.tokens], dtype=torch.long, device=logits.device)  # [1, L]
+        for processor in request.settings.logits_processor:
+            scores = processor(input_ids, scores)
+    return scores
+
+
+def warped_probs(request: Request, scores: torch.Tensor) -> torch.Tensor:  # [1, V] -> [1, V]
+    """Sampling distribution: temperature, then top-k, then top-p (``generate``'s order)."""
+    settings = request.settings
+    if settings.temperature != 1.0:
+        scores = TemperatureLogitsWarper(settings.temperature)(None, scores)
+    if settings.top_k > 0:
+        scores = TopKLogitsWarper(settings.top_k)(None, scores)
+    if settings.top_p < 1.0:
+        scores = TopPLogitsWarper(settings.top_p)(None, scores)
+    return torch.softmax(scores, dim=-1)
+
+
+def next_token(request: Request, logits: torch.Tensor) -> int:
+    """The request's next token from the logits ``[V]`` of its last fed position."""
+    scores = process_scores(request, logits)
+    if not request.settings.do_sample:
+        return int(scores.argmax(dim=-1))
+    probs = warped_probs(request, scores).cpu()  # the generator is a CPU one on every device
+    return int(torch.multinomial(probs, 1, generator=request.generator))
+
+
+def finish_reason(request: Request, tokenizer) -> FinishReason | None:
+    """Why the request stops after its newest token, or None: EOS, then a stop string, then the length limit."""
+    settings = request.settings
+    if request.output_ids and request.output_ids[-1] in settings.eos_token_id:
+        return FinishReason.EOS
+    if settings.stop_strings and _ends_with_stop_string(request.output_ids, settings.stop_strings, tokenizer):
+        return FinishReason.STOP
+    if len(request.output_ids) >= settings.max_new_tokens:
+        return FinishReason.LENGTH
+    return None
+
+
+def _ends_with_stop_string(output_ids: list[int], stop_strings: tuple[str, ...], tokenizer) -> bool:
+    """A stop string occurs in the text of the newest tokens (each token decodes to at least one character, so
+    ``len(stop) + 1`` tokens cover any occurrence the newest token completed)."""
+    window = max(len(stop) for stop in stop_strings) + 1
+    text = tokenizer.decode(output_ids[-window:], skip_special_tokens=False)
+    return any(stop in text for stop in stop_strings)

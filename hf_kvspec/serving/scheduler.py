@@ -1,0 +1,172 @@
+"""Iteration-level scheduling (Orca, Yu et al. OSDI'22): which requests run in the next forward, and how many
+tokens each, under one per-round token budget shared by decode tokens and prefill chunks (vLLM v1; chunked
+prefill as in Sarathi-Serve, Agrawal et al. OSDI'24, arXiv 2403.02310).
+
+Boundary: decisions and block reservations only. The order among requests is a small replaceable
+``SchedulingPolicy`` (FIFO by default); blocks come from ``RaggedPagedCache.reserve``; the forward is
+``runner.py``'s; sampling and finishing are ``engine.py``'s. A request is in the cache exactly while it is
+running (waiting requests hold no blocks).
+
+The rules of one round (``Scheduler.schedule``), with ``budget = max_tokens_per_round``:
+    1. Decode rows first (running requests with one uncomputed token), in policy order, one token each —
+       stall-free: no decode row waits behind a prefill.
+    2. Then running requests still prefilling, in policy order: each feeds ``min(uncomputed, budget left)``.
+    3. Then, if nobody was preempted this round, waiting requests are admitted in policy order while budget
+       is left, fewer than ``max_running`` run, and the blocks of their first chunk are free. Admission attaches
+       the longest cached prefix (salted block hashes) first, so a shared system prompt costs no prefill.
+       Admission stops at the first request that does not fit (no overtaking: FIFO stays FIFO).
+    4. Out of blocks while reserving (1 or 2): the policy's lowest-priority running request that is not yet
+       scheduled this round is preempted — its blocks freed, it goes back to waiting and is recomputed later
+       (prompt + output so far; its full blocks are often still cached, so recompute is mostly prefix hits).
+       If the requester itself is the lowest priority, it is the one preempted. Every request fits alone
+       (``add_request`` refuses one that cannot), so preemption always makes progress.
+Tokens of a round never exceed the budget; ``max_running <= max_tokens_per_round`` keeps every decode row in.
+
+Speculation seam: ``SchedulingPolicy.draft_tokens`` grants a decode row draft slots from the budget left after
+rule 1 (0 without an assistant); ``ScheduledRow.draft_tokens`` carries them to the runner.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hf_kvspec.cache.block_pool import OutOfBlocksError
+from hf_kvspec.cache.ragged import RaggedPagedCache
+
+from .request import Request, RequestStatus
+
+
+class SchedulingPolicy:
+    """Priorities among requests. FIFO: earlier ``request_id`` first (a preempted request keeps its place)."""
+
+    def running_order(self, running: list[Request]) -> list[Request]:
+        """Running requests, highest priority first."""
+        return sorted(running, key=lambda r: r.request_id)
+
+    def next_waiting(self, waiting: list[Request]) -> Request:
+        """The waiting request to admit next."""
+        return min(waiting, key=lambda r: r.request_id)
+
+    def preemption_victim(self, candidates: list[Request]) -> Request:
+        """The running request to preempt when blocks run out (the lowest priority)."""
+        return max(candidates, key=lambda r: r.request_id)
+
+    def draft_tokens(self, request: Request, budget_left: int) -> int:
+        """Draft slots for a decode row (speculation); none without an assistant."""
+        return 0
+
+
+FifoPolicy = SchedulingPolicy
+
+
+@dataclass(frozen=True)
+class ScheduledRow:
+    """One request's work in a round: feed ``request.tokens[start : start + num_tokens]``."""
+
+    request: Request
+    start: int  # == request.num_computed when scheduled
+    num_tokens: int
+    samples: bool  # the run ends at the request's newest token: sample its next token
+    draft_tokens: int = 0  # speculation seam: draft tokens appended after the real ones (0 for now)
+
+
+@dataclass
+class RoundPlan:
+    rows: list[ScheduledRow] = field(default_factory=list)
+    admitted: list[Request] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(row.num_tokens + row.draft_tokens for row in self.rows)
+
+
+class Scheduler:
+    """Waiting and running requests, and the per-round plan (rules in the module docstring)."""
+
+    def __init__(self, cache: RaggedPagedCache, policy: SchedulingPolicy, max_tokens_per_round: int,
+                 max_running: int):
+        if max_running > max_tokens_per_round:
+            raise ValueError(f"max_running={max_running} exceeds max_tokens_per_round={max_tokens_per_round}: every "
+                             "running request needs a token of the round; lower max_running or raise the budget.")
+        self.cache, self.policy = cache, policy
+        self.max_tokens_per_round, self.max_running = max_tokens_per_round, max_running
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def remove(self, request: Request) -> None:
+        """A finished or cancelled request leaves; its blocks go back to the pool."""
+        if request in self.running:
+            self.running.remove(request)
+            self.cache.release(request.request_id)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+
+    def preempt(self, request: Request, plan: RoundPlan | None = None) -> None:
+        """Free a running request's blocks and send it back to waiting (recompute later)."""
+        self.running.remove(request)
+        self.cache.release(request.request_id)
+        request.reset_for_recompute()
+        self.waiting.append(request)
+        if plan is not None:
+            plan.preempted.append(request)
+
+    # ---- one round ---------------------------------------------------------------------------------------
+    def schedule(self) -> RoundPlan:
+        plan, budget = RoundPlan(), self.max_tokens_per_round
+        order = self.policy.running_order(self.running)
+        for request in [r for r in order if r.is_decoding] + [r for r in order if not r.is_decoding]:
+            if budget == 0:
+                break
+            if request.status is RequestStatus.RUNNING:  # not preempted earlier in this round
+                budget -= self._schedule_running(request, budget, plan)
+        if not plan.preempted:
+            self._admit(plan, budget)
+        return plan
+
+    def _schedule_running(self, request: Request, budget: int, plan: RoundPlan) -> int:
+        """Schedule a running request (rules 1, 2, 4); returns the tokens it takes from the budget."""
+        num_tokens = min(request.num_uncomputed, budget)
+        if not self._reserve(request, request.num_computed + num_tokens, plan):
+            return 0
+        drafts = self.policy.draft_tokens(request, budget - num_tokens) if request.is_decoding else 0
+        plan.rows.append(ScheduledRow(request, request.num_computed, num_tokens,
+                                      num_tokens == request.num_uncomputed, drafts))
+        return num_tokens + drafts
+
+    def _reserve(self, request: Request, new_length: int, plan: RoundPlan) -> bool:
+        """Reserve blocks, preempting lower-priority requests as needed (rule 4); False if it was preempted."""
+        while True:
+            try:
+                self.cache.reserve(request.request_id, new_length)
+                return True
+            except OutOfBlocksError:
+                scheduled = {id(row.request) for row in plan.rows}
+                candidates = [r for r in self.running if id(r) not in scheduled]
+                victim = self.policy.preemption_victim(candidates)
+                self.preempt(victim, plan)
+                if victim is request:
+                    return False
+
+    def _admit(self, plan: RoundPlan, budget: int) -> None:
+        """Rule 3: admit waiting requests while budget, ``max_running`` and free blocks allow."""
+        while budget > 0 and self.waiting and len(self.running) < self.max_running:
+            request = self.policy.next_waiting(self.waiting)
+            request.num_computed = self.cache.add_sequence(request.request_id, request.tokens, request.salt)
+            num_tokens = min(request.num_uncomputed, budget)
+            new_length = request.num_computed + num_tokens
+            if self.cache.blocks_to_grow(request.request_id, new_length) > self.cache.num_free_blocks():
+                self.cache.release(request.request_id)
+                request.num_computed = 0
+                return
+            self.cache.reserve(request.request_id, new_length)
+            self.waiting.remove(request)
+            self.running.append(request)
+            request.status = RequestStatus.RUNNING
+            plan.admitted.append(request)
+            plan.rows.append(ScheduledRow(request, request.num_computed, num_tokens,
+                                          num_tokens == request.num_uncomputed))
+            budget -= num_tokens

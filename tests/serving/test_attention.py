@@ -1,0 +1,84 @@
+"""``kvspec_ragged`` attention: the fast path (batched decode rows, per-row prefill calls) against the row-by-row
+reference, and its masks against masks written element by element."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_kvspec.cache.ragged import RaggedKV
+from hf_kvspec.serving.attention import (
+    ragged_attention,
+    reference_ragged_attention,
+    reference_row_mask,
+    row_mask,
+)
+
+# fp32 SDPA vs einsum-softmax on D=16: reassociation error ~1e-7 per element; 1e-5 leaves margin
+TOL = dict(rtol=1e-5, atol=1e-5)
+BLOCK, HKV, DIM = 4, 2, 16
+
+
+def ragged_case(rows: list[tuple[int, int]], groups: int, seed: int, masks=None):
+    """Pages under a random block permutation for rows ``(stored, new)``. Blocks no row owns hold NaN (never read);
+    unwritten slots of owned blocks and padding block 0 hold large finite garbage: a decode batch reads them
+    (masked), and the cache keeps every slot finite (R2 of cache/ragged.py)."""
+    gen = torch.Generator().manual_seed(seed)
+    needs = [-(-(s + t) // BLOCK) for s, t in rows]
+    num_blocks = sum(needs) + 3
+    order = torch.randperm(num_blocks - 1, generator=gen) + 1  # block 0: the zeroed padding target
+    key_pages = torch.full((num_blocks, BLOCK, HKV, DIM), float("nan"))
+    value_pages = torch.full_like(key_pages, float("nan"))
+    key_pages[0] = value_pages[0] = 1e4
+    tables, used = [], 0
+    for (stored, new), need in zip(rows, needs):
+        table = order[used: used + need]
+        used += need
+        key_pages[table] = value_pages[table] = -1e4
+        positions = torch.arange(stored + new)
+        slots = table[positions // BLOCK] * BLOCK + positions % BLOCK
+        key_pages.view(-1, HKV, DIM)[slots] = torch.randn(len(slots), HKV, DIM, generator=gen)
+        value_pages.view(-1, HKV, DIM)[slots] = torch.randn(len(slots), HKV, DIM, generator=gen)
+        tables.append(table)
+    starts = [sum(t for _, t in rows[:i]) for i in range(len(rows))]
+    view = RaggedKV(tuple(starts), tuple(t for _, t in rows), tuple(s + t for s, t in rows), tuple(tables),
+                    tuple(masks or [None] * len(rows)))
+    query = torch.randn(1, HKV * groups, sum(t for _, t in rows), DIM, generator=gen)
+    return query, key_pages, value_pages, view
+
+
+@pytest.mark.parametrize("groups", [1, 3])
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("softcap", [None, 5.0])
+def test_fast_path_matches_reference_on_mixed_rows(groups, window, softcap):
+    rows = [(9, 1), (0, 6), (3, 1), (13, 5), (22, 1), (4, 4)]  # decode rows, a first chunk, later chunks
+    query, key_pages, value_pages, view = ragged_case(rows, groups, seed=groups)
+    got = ragged_attention(query, key_pages, value_pages, view, 0.25, softcap, window)
+    expected = reference_ragged_attention(query, key_pages, value_pages, view, 0.25, softcap, window)
+    assert got.shape == (1, 18, HKV * groups, DIM)
+    assert not got.isnan().any()
+    torch.testing.assert_close(got, expected, **TOL)
+
+
+def test_tree_mask_rows_match_reference():
+    """A row carrying draft tokens with a tree mask (the speculation seam) next to decode rows."""
+    tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
+    rows = [(7, 1), (10, 4), (2, 1)]
+    query, key_pages, value_pages, view = ragged_case(rows, 2, seed=3, masks=[None, tree, None])
+    got = ragged_attention(query, key_pages, value_pages, view, 0.25)
+    torch.testing.assert_close(got, reference_ragged_attention(query, key_pages, value_pages, view, 0.25), **TOL)
+    causal = ragged_case(rows, 2, seed=3)[3]
+    assert not torch.allclose(got, ragged_attention(query, key_pages, value_pages, causal, 0.25))
+
+
+def test_tree_mask_on_a_sliding_window_layer_is_refused():
+    tree = torch.ones(2, 2, dtype=torch.bool).tril()
+    query, key_pages, value_pages, view = ragged_case([(3, 2)], 1, seed=0, masks=[tree])
+    with pytest.raises(ValueError, match="sliding-window"):
+        ragged_attention(query, key_pages, value_pages, view, 0.25, window=4)
+
+
+@pytest.mark.parametrize("start,new,window", [(0, 5, None), (7, 3, None), (7, 3, 4), (2, 1, 2), (0, 6, 3)])
+def test_row_mask_matches_the_element_by_element_mask(start, new, window):
+    assert torch.equal(row_mask(start, new, window, None, torch.device("cpu")),
+                       reference_row_mask(start, new, window, None))

@@ -1,0 +1,99 @@
+"""The packed forward against plain forwards of each sequence alone, including the speculation seam: draft
+tokens with tree positions and a tree mask in the same packed run, then a per-sequence rollback."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_kvspec.cache.ragged import RaggedPagedCache
+from hf_kvspec.serving.attention import register_ragged_attention
+from hf_kvspec.serving.runner import ForwardRow, ForwardRunner
+from tests.tiny_models import tiny_model
+
+from .helpers import random_prompts
+
+# packed vs alone: different matmul shapes reassociate fp32 sums (~1e-6 on these logits); 1e-4 leaves margin
+TOL = dict(rtol=1e-4, atol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def llama():
+    register_ragged_attention()
+    return tiny_model("llama")
+
+
+def plain_last_logits(model, ids: list[int]) -> torch.Tensor:  # [V]
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0, -1]
+
+
+def forward(runner, cache, rows):
+    for row in rows:
+        cache.reserve(row.seq_id, row.start + len(row.token_ids))
+    logits = runner.forward(rows)
+    cache.end_forward(ok=True)
+    return logits
+
+
+def test_tree_verify_and_rollback_match_plain_forwards(llama):
+    cache = RaggedPagedCache(llama.config, num_blocks=32, block_size=4)
+    runner = ForwardRunner(llama, cache)
+    prompt, other = random_prompts([9, 6], seed=40)
+    for seq_id, ids in ((0, prompt), (1, other)):
+        cache.add_sequence(seq_id, ids)
+    forward(runner, cache, [ForwardRow(0, prompt, 0), ForwardRow(1, other, 0)])
+
+    # seq 0 verifies a tree: a -> (b, c) at depths 0, 1, 1, next to a plain decode row of seq 1
+    a, b, c, d = 7, 11, 13, 17
+    tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
+    L = len(prompt)
+    logits = forward(runner, cache, [
+        ForwardRow(0, [a, b, c], L, positions=[L, L + 1, L + 1], new_token_mask=tree, logits_at=(0, 1, 2)),
+        ForwardRow(1, [d], len(other), logits_at=(0,)),
+    ])
+    expected = [[*prompt, a], [*prompt, a, b], [*prompt, a, c], [*other, d]]
+    for k, ids in enumerate(expected):
+        torch.testing.assert_close(logits[k], plain_last_logits(llama, ids), **TOL)
+
+    # accept a and c: keep a, roll b and c back, re-feed c on the path (chain), then continue from it
+    cache.truncate(0, L + 1)
+    assert cache.length(0) == L + 1
+    logits = forward(runner, cache, [ForwardRow(0, [c, b], L + 1, logits_at=(0, 1))])
+    torch.testing.assert_close(logits[0], plain_last_logits(llama, [*prompt, a, c]), **TOL)
+    torch.testing.assert_close(logits[1], plain_last_logits(llama, [*prompt, a, c, b]), **TOL)
+    cache.release_all()
+    assert cache.num_free_blocks() == cache.num_total_blocks()
+
+
+def test_a_failed_forward_leaves_no_reservation(llama):
+    cache = RaggedPagedCache(llama.config, num_blocks=8, block_size=4)
+    runner = ForwardRunner(llama, cache)
+    cache.add_sequence(0, [5, 6, 7])
+    cache.reserve(0, 3)
+    assert cache.num_free_blocks() == 7
+    with pytest.raises(ValueError, match="reserve"):
+        runner.forward([ForwardRow(0, [5, 6, 7, 8, 9], 0)])  # more tokens than reserved: refused up front
+    cache.end_forward(ok=False)
+    assert cache.num_free_blocks() == 8 and cache.length(0) == 0
+
+
+def test_rollback_into_a_shared_prefix_block_copies_it(llama):
+    """Sequence 1 attaches sequence 0's cached blocks, rolls back into one of them and writes other tokens there:
+    copy-on-write keeps sequence 0's K/V intact."""
+    cache = RaggedPagedCache(llama.config, num_blocks=16, block_size=4)
+    runner = ForwardRunner(llama, cache)
+    prompt = random_prompts([12], seed=41)[0]
+    cache.add_sequence(0, prompt)
+    forward(runner, cache, [ForwardRow(0, prompt, 0)])
+    assert cache.add_sequence(1, [*prompt, 9]) == 12  # all three blocks served from the cache
+    shared = cache.tables.table(cache._row_of[1])[1]
+    cache.truncate(1, 6)  # into the second shared block
+    used_before = cache.num_total_blocks() - cache.num_free_blocks()
+    new = [21, 22, 23]
+    logits = forward(runner, cache, [ForwardRow(1, new, 6, logits_at=(2,)), ForwardRow(0, [5], 12, logits_at=(0,))])
+    assert cache.tables.table(cache._row_of[1])[1] != shared  # copied, not written in place
+    # + the copy of the shared block, + seq 1's block for position 8, + seq 0's block for position 12
+    assert cache.num_total_blocks() - cache.num_free_blocks() == used_before + 3
+    torch.testing.assert_close(logits[0], plain_last_logits(llama, prompt[:6] + new), **TOL)
+    torch.testing.assert_close(logits[1], plain_last_logits(llama, [*prompt, 5]), **TOL)
