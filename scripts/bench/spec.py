@@ -49,6 +49,7 @@ import warnings
 import torch
 
 from bench.harness import Report
+from bench.spec_inputs import BATCH_SUMMARIES, PROMPTS, chat_inputs, new_tokens
 from bench.spec_report import (
     COLUMNS,
     COMMON_NOTES,
@@ -62,37 +63,6 @@ from bench.spec_report import (
     headlines,
 )
 
-_TEXT_A = (
-    "The city council met on Tuesday to discuss the new bicycle lanes planned for the river district. Supporters "
-    "said the lanes would make commuting safer and reduce traffic near the schools. Shop owners worried that "
-    "removing parking spaces would hurt their business during the winter months. After two hours of debate, the "
-    "council voted to build the lanes on a trial basis for one year and to review the effect on local shops."
-)
-_TEXT_B = (
-    "Researchers at the coastal institute tracked forty sea turtles with satellite tags for three years. The "
-    "turtles travelled up to two thousand kilometres between feeding grounds and nesting beaches. Warmer water "
-    "pushed some feeding grounds north, and the turtles followed them. The team says protected areas should move "
-    "with the animals instead of staying fixed on the map."
-)
-_TEXT_C = (
-    "The library will close its main reading room in March for repairs to the roof, which has leaked during heavy "
-    "rain for several years. Books from the reading room will move to the second floor, and study desks will be "
-    "set up in the old exhibition hall. The repairs should take about four months, and the library expects to "
-    "reopen the room in July with new lighting and more power outlets for laptops."
-)
-_TEXT_D = (
-    "A small bakery in the old town started selling bread made from a grain that farmers in the region had "
-    "stopped growing decades ago. The baker worked with two farms to plant the grain again and to mill it "
-    "locally. The bread sells out every morning, and the farms plan to double the area they plant next year."
-)
-
-PROMPTS = {
-    "chat": "What are three simple ways to sleep better at night? Answer in short sentences.",
-    "code": "Write a Python function `is_palindrome(s)` that ignores case and spaces, with a docstring.",
-    "summarize": f"Summarize the following text in two sentences, reusing its wording.\n\n{_TEXT_A}",
-}
-BATCH_SUMMARIES = [f"Summarize the following text in two sentences, reusing its wording.\n\n{text}"
-                   for text in (_TEXT_A, _TEXT_B, _TEXT_C, _TEXT_D)]
 MODES = {"greedy": {"do_sample": False}, "t=0.7": {"do_sample": True, "temperature": 0.7}}
 
 
@@ -188,13 +158,6 @@ class _ForwardTimer:
             handle.remove()
 
 
-def _chat_inputs(tokenizer, prompts: list[str]) -> dict:
-    texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
-                                           tokenize=False) for p in prompts]
-    tokenizer.padding_side = "left"
-    return tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
-
-
 def _hf_draft(draft, k: int):
     """transformers reads the draft length from the assistant's generation config: fix it to K."""
     config = draft.generation_config
@@ -239,14 +202,6 @@ def _checked(methods: list[str]) -> list[str]:
     return methods
 
 
-def _new_tokens(sequences: torch.Tensor, prompt_len: int, eos_id: int) -> int:
-    """Real new tokens: up to and including each row's first EOS."""
-    total = 0
-    for row in sequences[:, prompt_len:].tolist():
-        total += row.index(eos_id) + 1 if eos_id in row else len(row)
-    return total
-
-
 def _measure_cell(methods, model, draft, inputs, sampling, args, timers, eos_id) -> dict:
     """All methods on one prompt, ``repeats`` rounds, method order rotated per round; medians per method."""
     samples = {m: [] for m in methods}
@@ -263,7 +218,7 @@ def _measure_cell(methods, model, draft, inputs, sampling, args, timers, eos_id)
             target, drafter = timers
             samples[method].append(dict(
                 seconds=wall, sequences=sequences, target_fwd=target.calls,
-                tokens=_new_tokens(sequences, inputs["input_ids"].shape[1], eos_id),
+                tokens=new_tokens(sequences, inputs["input_ids"].shape[1], eos_id),
                 draft_fwd=drafter.calls if "draft" in method else 0,
                 loop_s=wall - target.seconds - (drafter.seconds if "draft" in method else 0.0)))
     return {m: _median_sample(s) for m, s in samples.items()}
@@ -308,26 +263,26 @@ def run(args) -> None:
                                            "hf_assistant": "num_assistant_tokens=K, schedule=constant, "
                                                            "assistant_confidence_threshold=0"})
     with torch.inference_mode():  # warm up every path once
-        warm = _chat_inputs(tokenizer, ["Hi"])
+        warm = chat_inputs(tokenizer, ["Hi"])
         for method in (*METHODS, *KERNEL_VARIANTS):  # also times the decode kernels' choices once
             _call(method, model, draft, warm, {"do_sample": False}, args)
     continuations = []
     for mode in modes:
         for prompt, text in PROMPTS.items():
-            inputs = _chat_inputs(tokenizer, [text])
+            inputs = chat_inputs(tokenizer, [text])
             results = _measure_cell(methods, model, draft, inputs, MODES[mode], args, timers, eos_id)
             add_rows(report, 1, mode, args.draft, prompt, results)
             if mode == "greedy" and "plain" in results:
                 continuations.append((results["plain"]["sequences"], inputs["input_ids"].shape[1]))
     if not args.skip_batch:
-        inputs = _chat_inputs(tokenizer, BATCH_SUMMARIES)
+        inputs = chat_inputs(tokenizer, BATCH_SUMMARIES)
         results = _measure_cell(_checked(args.batch_methods.split(",")), model, draft, inputs, {"do_sample": False}, args,
                                 timers, eos_id)
         add_rows(report, 4, "greedy", "-", "summarize x4", results)
     if not continuations:  # agreement on the target's greedy answers to the prompts
         with torch.inference_mode():
             for text in PROMPTS.values():
-                ids = _chat_inputs(tokenizer, [text])
+                ids = chat_inputs(tokenizer, [text])
                 continuations.append((model.generate(**ids, max_new_tokens=args.new_tokens, do_sample=False),
                                       ids["input_ids"].shape[1]))
     agreement = draft_agreement(model, draft, continuations)

@@ -27,8 +27,8 @@ from transformers import DynamicCache
 
 import hf_kvspec
 from bench.harness import Report
-from bench.spec import BATCH_SUMMARIES, PROMPTS, _chat_inputs, _new_tokens
 from bench.spec_bounds import speedup_bound
+from bench.spec_inputs import BATCH_SUMMARIES, PROMPTS, chat_inputs, new_tokens
 
 PROMPT_FILES = {"chat": "scripts/train_configs/chat_prompts_heldout.jsonl"}
 COLUMNS = ["prompts", "method", "batch", "temperature", "tokens", "tok_per_s", "vs_plain", "vs_plain_kernels", "tau",
@@ -176,10 +176,10 @@ def _bench_case(report, model, tokenizer, eos_id, build, methods, kind, prompts,
     totals = {m: {"s": 0.0, "tokens": 0, "stats": [], "same": True} for m in methods}
     reference = {}
     with torch.inference_mode():
-        _call("plain+kernels", model, _chat_inputs(tokenizer, ["Hi"]), {"max_new_tokens": 4}, build)  # warm
+        _call("plain+kernels", model, chat_inputs(tokenizer, ["Hi"]), {"max_new_tokens": 4}, build)  # warm
         for repeat in range(args.repeats):
             for index, group in enumerate(groups):
-                inputs = _chat_inputs(tokenizer, group)
+                inputs = chat_inputs(tokenizer, group)
                 rotated = methods[(index + repeat) % len(methods):] + methods[:(index + repeat) % len(methods)]
                 for method in rotated:
                     torch.manual_seed(repeat)
@@ -188,7 +188,7 @@ def _bench_case(report, model, tokenizer, eos_id, build, methods, kind, prompts,
                     seconds = time.perf_counter() - start
                     entry = totals[method]
                     entry["s"] += seconds
-                    entry["tokens"] += _new_tokens(out.sequences, inputs["input_ids"].shape[1], eos_id)
+                    entry["tokens"] += new_tokens(out.sequences, inputs["input_ids"].shape[1], eos_id)
                     if stats is not None:
                         entry["stats"].append(stats)
                     key = (repeat, index)
