@@ -78,6 +78,7 @@ def create_app(engine, config: ServerConfig | None = None) -> Starlette:
     @contextlib.asynccontextmanager
     async def lifespan(app):
         task = asyncio.create_task(state.worker.run())
+        task.add_done_callback(_log_crash)
         try:
             yield
         finally:
@@ -91,6 +92,11 @@ def create_app(engine, config: ServerConfig | None = None) -> Starlette:
     app = Starlette(routes=routes, lifespan=lifespan)
     app.state.server = state
     return app
+
+
+def _log_crash(task: asyncio.Task) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        logger.critical("The engine loop stopped", exc_info=task.exception())
 
 
 def _state(request: HttpRequest) -> ServerState:
@@ -117,7 +123,7 @@ async def _health(request: HttpRequest) -> Response:
 
 async def _metrics(request: HttpRequest) -> Response:
     state = _state(request)
-    text = state.metrics.render(state.engine.telemetry(), state.draining)
+    text = state.metrics.render(state.worker.telemetry, state.draining)
     return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
 

@@ -62,6 +62,7 @@ class EngineWorker:
         self._live: dict[int, Choice] = {}  # request id -> choice, while in the engine
         self._forks: dict[int, tuple[list[int], list[Choice]]] = {}  # first choice's id -> (prompt, other choices)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvspec-engine")
+        self.telemetry = engine.telemetry()  # the engine's figures between rounds (never read mid-round)
 
     # ---- the handlers' side ---------------------------------------------------------------------------------
     async def submit(self, prompt_ids: list[int], settings: list[dict]) -> list[Choice]:
@@ -96,14 +97,14 @@ class EngineWorker:
                 while not self._inbox.empty():
                     if not self._handle(self._inbox.get_nowait()):
                         return
-                if not self.engine.has_unfinished():
-                    continue
-                try:
-                    deltas = await loop.run_in_executor(self._executor, self.engine.step)
-                except Exception as err:
-                    self._fail_round(err)
-                    continue
-                self._dispatch(deltas)
+                if self.engine.has_unfinished():
+                    try:
+                        deltas = await loop.run_in_executor(self._executor, self.engine.step)
+                    except Exception as err:
+                        self._fail_round(err)
+                    else:
+                        self._dispatch(deltas)
+                self.telemetry = self.engine.telemetry()
         finally:
             self._executor.shutdown(wait=True)
 
@@ -140,7 +141,11 @@ class EngineWorker:
         for choice in others:
             if choice.closed:
                 continue
-            choice.request_id = self.engine.add_request(prompt_ids, fork_of=first_id, **choice.settings)
+            try:
+                choice.request_id = self.engine.add_request(prompt_ids, fork_of=first_id, **choice.settings)
+            except Exception as err:  # the first choice with the same settings was accepted: not expected
+                self._end(choice, "rejected", error=f"{type(err).__name__}: {err}")
+                continue
             self._live[choice.request_id] = choice
 
     def _dispatch(self, deltas) -> None:

@@ -103,7 +103,9 @@ class RunningServer:
     def wait_idle(self, timeout: float = 30.0) -> None:
         """Until no choice is open and the engine holds no request (the pool is then full again)."""
         deadline = time.monotonic() + timeout
-        while self.state.worker.open_choices or self.engine.has_unfinished() or self.engine.cache.seq_ids:
+        worker = self.state.worker  # its telemetry is taken between rounds: safe to read from this thread
+        while worker.open_choices or worker.telemetry["running"] or worker.telemetry["waiting"] \
+                or worker.telemetry["used_blocks"]:
             if time.monotonic() > deadline:
                 raise AssertionError("the server did not go idle")
             time.sleep(0.02)
