@@ -1,5 +1,5 @@
 """``hf-kvspec`` command line: ``generate`` on the bundled model, ``batch`` (offline continuous batching),
-``memory`` arithmetic and ``export-heads``.
+``serve`` (an OpenAI-compatible server), ``memory`` arithmetic and ``export-heads``.
 
 Boundary: argument parsing and printing only; every computation lives in the library. Arguments are checked
 before anything heavy runs (types in ``argparse``, combinations in ``_check_*``), and torch/transformers are
@@ -461,6 +461,86 @@ def _run_batch(args) -> None:
           f"{stats['mean_block_utilization']:.0%}")
 
 
+def _add_serve(subparsers) -> None:
+    p = subparsers.add_parser("serve", help="an OpenAI-compatible HTTP server on the continuous-batching Engine "
+                                            "(docs/serve.md)")
+    p.add_argument("model", nargs="?", default=None, help="a local model directory or Hub id (or use --bundled)")
+    p.add_argument("--bundled", nargs="?", const="smollm2-135m-instruct", default=None, metavar="NAME",
+                   help="serve a bundled model (default smollm2-135m-instruct)")
+    p.add_argument("--assistant", default=None, help="speculative decoding inside the engine (an assistant spec)")
+    p.add_argument("--served-model-name", default=None, help="the id /v1/models lists (default: the model's name)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=_count(0), default=8000)
+    p.add_argument("--kv-budget", type=_kv_budget, default="256MB",
+                   help="KV cache: a byte size (e.g. 256MB) or a plain number of blocks")
+    p.add_argument("--block-size", type=_count(1), default=16)
+    p.add_argument("--max-tokens-per-round", type=_count(1), default=256, help="token budget of one forward")
+    p.add_argument("--max-running", type=_count(1), default=16, help="requests running at once")
+    p.add_argument("--max-queue", type=_count(1), default=256,
+                   help="requests (choices) in the server at once, running or waiting; more get 429")
+    p.add_argument("--drain-timeout", type=_count(0), default=300,
+                   help="seconds running requests get to finish after SIGTERM")
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--threads", type=_count(1), default=2)
+    p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    p.set_defaults(func=_run_serve, check=functools.partial(_check_serve, p))
+
+
+def _check_serve(parser, args) -> None:
+    if (args.model is None) == (args.bundled is None):
+        parser.error("give exactly one of MODEL (a model directory or Hub id) and --bundled [NAME].")
+    if args.bundled is not None:
+        from hf_kvspec.models import BUNDLED_MODELS
+
+        if args.bundled not in BUNDLED_MODELS:
+            parser.error(f"--bundled {args.bundled!r} is not a bundled model; choose one of "
+                         f"{', '.join(BUNDLED_MODELS)}.")
+    if args.max_running > args.max_tokens_per_round:
+        parser.error(f"--max-running {args.max_running} exceeds --max-tokens-per-round {args.max_tokens_per_round}: "
+                     "every running request needs a token of each round.")
+    if args.assistant is not None and not _engine_takes_assistant():
+        parser.error("--assistant: this version's Engine has no speculative decoding inside it yet "
+                     "(Engine(..., assistant=...)); serve without --assistant.")
+    try:
+        import starlette  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError:
+        parser.error("serve needs the server extra: pip install 'hf-kvspec[serve]'.")
+
+
+def _engine_takes_assistant() -> bool:
+    import inspect
+
+    from hf_kvspec.serving.engine import Engine
+
+    return "assistant" in inspect.signature(Engine).parameters
+
+
+def _run_serve(args) -> None:
+    import torch
+
+    from hf_kvspec.serving.engine import Engine
+    from hf_kvspec.serving.server import ServerConfig, run_server
+
+    torch.set_num_threads(args.threads)
+    if args.bundled is not None:
+        from hf_kvspec.models import load_bundled_model
+
+        model, tokenizer = load_bundled_model(args.bundled)
+    else:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        model = AutoModelForCausalLM.from_pretrained(args.model).eval()
+        tokenizer = AutoTokenizer.from_pretrained(args.model)
+    engine_kwargs = {"assistant": args.assistant} if args.assistant is not None else {}
+    engine = Engine(model, tokenizer, kv_budget=args.kv_budget, block_size=args.block_size,
+                    max_tokens_per_round=args.max_tokens_per_round, max_running=args.max_running,
+                    enable_prefix_caching=not args.no_prefix_caching, **engine_kwargs)
+    config = ServerConfig(model_name=args.served_model_name or args.bundled or args.model,
+                          max_queue=args.max_queue, drain_timeout_s=float(args.drain_timeout))
+    run_server(engine, config, host=args.host, port=args.port, log_level=args.log_level)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hf-kvspec", description="KV caches and speculative decoding for transformers")
     subparsers = parser.add_subparsers(dest="command", required=True)
@@ -468,6 +548,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_memory(subparsers)
     _add_export_heads(subparsers)
     _add_batch(subparsers)
+    _add_serve(subparsers)
     return parser
 
 

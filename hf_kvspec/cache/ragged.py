@@ -19,7 +19,8 @@ A forward, from the caller's side:
     4. ``end_forward(ok)``: on success each row's stored length advances and its newly full blocks are hashed
        (``seal``); on failure every row is truncated back to its length before the forward, freeing what
        ``reserve`` took — a half-written block is never indexed.
-``truncate(seq, length)`` rolls one sequence back (rejected speculative tokens); ``release(seq)`` frees it.
+``truncate(seq, length)`` rolls one sequence back (rejected speculative tokens); ``release(seq)`` frees it;
+``fork(seq, new_seq, length)`` starts a sequence on another's stored prefix, sharing its blocks copy-on-write.
 Token ids reach the hash chain through ``add_sequence`` (prompt) and ``record_tokens`` (generated ids), so a
 preempted sequence that is re-added finds its own computed blocks while they are still cached.
 
@@ -148,6 +149,20 @@ class RaggedPagedCache(Cache):
         self.tables.attach(row, blocks, hashes)
         self._stored[seq_id] = len(blocks) * self.block_size
         return self._stored[seq_id]
+
+    def fork(self, seq_id: int, new_seq_id: int, length: int) -> None:
+        """Start ``new_seq_id`` holding ``seq_id``'s first ``length`` stored tokens by sharing their blocks
+        (ref += 1 each, no copy). Either sequence's first write into a shared block copies that block
+        (copy-on-write, ``reserve``), so each sees only its own later tokens. Used for ``n > 1`` choices of
+        one prompt: the prompt is computed once."""
+        if new_seq_id in self._row_of:
+            raise ValueError(f"Sequence {new_seq_id} is already in the cache; release() it first.")
+        if not 0 < length <= self._stored[seq_id]:
+            raise ValueError(f"fork() of {length} tokens is outside sequence {seq_id}'s 1..{self._stored[seq_id]}.")
+        row = self.tables.fork(self._row_of[seq_id])  # shares the whole extent (reservations included) ...
+        self.tables.truncate(row, length)  # ... then keeps the first ``length`` tokens only (R1)
+        self._row_of[new_seq_id] = row
+        self._stored[new_seq_id] = length
 
     def record_tokens(self, seq_id: int, token_ids: Sequence[int]) -> None:
         """All token ids of ``seq_id`` so far (prompt + generated); hashes its full stored blocks."""

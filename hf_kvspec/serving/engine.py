@@ -11,7 +11,8 @@ A round (``step``) is all or nothing: schedule (blocks reserved) -> forward -> c
 -> commit (K/V kept, requests advanced, finished ones leave and free their blocks). If anything raises before
 the commit — the model, a logits processor, a stop-string check — the round's reservations are given back,
 sampled requests' generators are restored and no request advances; the exception propagates and the next
-``step()`` runs the round again.
+``step()`` runs the round again. ``failed_round`` names the round's requests, for a caller (the server) that
+would rather cancel them than retry.
 
 Greedy output of each request is the same as ``model.generate(prompt, do_sample=False)`` on that prompt alone
 (``tests/serving``), whoever else is running, however its prompt was chunked, shared or recomputed.
@@ -64,16 +65,20 @@ class Engine:
         self._requests: dict[int, Request] = {}
         self._next_id = 0
         self._cancelled: list[RequestDelta] = []
+        self.failed_round: tuple[int, ...] = ()  # request ids of the last round that raised (a server fails them)
         self._max_positions = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
 
     # ---- requests ------------------------------------------------------------------------------------------
     def add_request(self, prompt: Prompt, *, max_new_tokens: int = 32, do_sample: bool = False,
                     temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
                     stop_strings: str | Sequence[str] | None = None, eos_token_id: int | Sequence[int] | None = None,
-                    logits_processor: Sequence | None = None, salt: str | None = None) -> int:
+                    logits_processor: Sequence | None = None, salt: str | None = None,
+                    fork_of: int | None = None) -> int:
         """Queue a request; returns its id. ``prompt``: token ids, chat messages or text. ``seed``: a per-request
         generator for ``do_sample``. ``eos_token_id``: default the model's ``generation_config``'s. ``salt``: a
-        tenant salt; prefix blocks are shared only between requests with the same salt.
+        tenant salt; prefix blocks are shared only between requests with the same salt. ``fork_of``: a request
+        with the same prompt (e.g. another choice of an ``n > 1`` request); if it is running when this one is
+        admitted, this one shares its stored prefix copy-on-write instead of computing it.
 
         Raises ``RequestTooLongError`` when the prompt plus ``max_new_tokens`` can never fit the KV budget or
         the model's positions."""
@@ -86,6 +91,7 @@ class Engine:
         ids = prompt_ids(prompt, self.tokenizer)
         self._check_fits(len(ids), settings.max_new_tokens)
         request = Request(self._next_id, ids, settings, salt)
+        request.fork_of = fork_of
         self._next_id += 1
         self._requests[request.request_id] = request
         self.scheduler.add(request)
@@ -138,7 +144,7 @@ class Engine:
 
     def _run_round(self) -> tuple[RoundPlan, list[int]]:
         """Schedule, forward and choose tokens; on any exception, undo the round's reservations and samples."""
-        generators = []
+        generators, plan = [], None
         try:
             plan = self.scheduler.schedule()
             if not plan.rows:
@@ -148,6 +154,7 @@ class Engine:
             logits = self.runner.run(plan.rows)  # [K, V], one row per sampling request
             return plan, [next_token(request, logits[k]) for k, request in enumerate(sampling)]
         except BaseException:
+            self.failed_round = () if plan is None else tuple(row.request.request_id for row in plan.rows)
             self.cache.end_forward(ok=False)
             for generator, state in generators:
                 generator.set_state(state)

@@ -128,6 +128,7 @@ class Request:
         self.metrics = RequestMetrics()
         self.generator = _generator(settings)
         self.read_cursor = 0  # output tokens already yielded by Engine.stream
+        self.fork_of: int | None = None  # a running request whose stored prefix this one shares when admitted
 
     @property
     def tokens(self) -> list[int]:

@@ -151,11 +151,27 @@ class Scheduler:
                 if victim is request:
                     return False
 
+    def _attach(self, request: Request) -> int:
+        """Give an admitted request its cache row; returns the tokens already stored. A request forked from a
+        running one (``fork_of``, e.g. the other choices of an ``n > 1`` request) shares the blocks of their
+        common stored prefix copy-on-write; any other attaches its longest cached full-block prefix."""
+        parent = next((r for r in self.running if r.request_id == request.fork_of), None)
+        if parent is not None and parent.salt == request.salt:
+            ours, theirs = request.tokens, parent.tokens
+            limit = min(self.cache.length(parent.request_id), len(ours) - 1)  # the last token is always fed
+            shared = 0
+            while shared < limit and ours[shared] == theirs[shared]:
+                shared += 1
+            if shared > 0:
+                self.cache.fork(parent.request_id, request.request_id, shared)
+                return shared
+        return self.cache.add_sequence(request.request_id, request.tokens, request.salt)
+
     def _admit(self, plan: RoundPlan, budget: int) -> None:
         """Rule 3: admit waiting requests while budget, ``max_running`` and free blocks allow."""
         while budget > 0 and self.waiting and len(self.running) < self.max_running:
             request = self.policy.next_waiting(self.waiting)
-            request.num_computed = self.cache.add_sequence(request.request_id, request.tokens, request.salt)
+            request.num_computed = self._attach(request)
             num_tokens = min(request.num_uncomputed, budget)
             new_length = request.num_computed + num_tokens
             if self.cache.blocks_to_grow(request.request_id, new_length) > self.cache.num_free_blocks():

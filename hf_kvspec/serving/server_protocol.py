@@ -1,0 +1,252 @@
+"""The OpenAI wire format of ``hf-kvspec serve``: request bodies of ``/v1/completions`` and
+``/v1/chat/completions`` checked field by field into a typed ``GenerationParams``, and the response, chunk and
+error bodies built from plain values.
+
+Boundary: JSON in, dicts out; no engine, no tokenizer, no HTTP. A bad body raises ``BadRequest`` naming the
+field (``param``), which the server turns into a 400 with an OpenAI-style error body.
+
+Deviations from the OpenAI API, all refused by name rather than ignored: one prompt per request (no batched
+``prompt`` list), no ``logprobs``, ``echo``, ``suffix``, ``best_of``, penalties, ``logit_bias``, tools or
+response formats. ``temperature = 0`` is greedy decoding. With ``seed`` and ``n > 1``, choice ``i`` samples with
+seed ``seed + i``, so each choice is reproducible on its own.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+MAX_N = 16  # choices per request
+MAX_STOP = 4  # stop strings per request (OpenAI's limit)
+DEFAULT_MAX_TOKENS = {"completion": 16, "chat": 256}  # OpenAI's legacy completions default is 16 tokens
+
+
+class BadRequest(ValueError):
+    """A request the server refuses with 400; ``param`` names the offending field (or None)."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.param, self.code = param, code
+
+
+@dataclass(frozen=True)
+class GenerationParams:
+    """One checked request (``kind``: ``"completion"`` or ``"chat"``)."""
+
+    kind: str
+    prompt: str | list[int] | list[dict]  # text or ids (completion), messages (chat)
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    n: int = 1
+    stream: bool = False
+    include_usage: bool = False
+    model: str | None = None
+
+    @property
+    def prompt_field(self) -> str:
+        return "messages" if self.kind == "chat" else "prompt"
+
+    def engine_kwargs(self, choice: int) -> dict:
+        """``Engine.add_request`` keywords for choice ``choice``."""
+        sampled = self.temperature > 0
+        return {"max_new_tokens": self.max_tokens, "do_sample": sampled,
+                "temperature": self.temperature if sampled else 1.0, "top_p": self.top_p,
+                "seed": None if self.seed is None else self.seed + choice, "stop_strings": self.stop}
+
+
+# ---- parsing ---------------------------------------------------------------------------------------------
+_IGNORED = {"user", "metadata", "store"}  # accepted and ignored: they do not change the output
+_COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "stream", "stream_options"}
+_FIELDS = {"completion": _COMMON | {"prompt"}, "chat": _COMMON | {"messages", "max_completion_tokens"}}
+
+
+def parse_request(body: bytes, kind: str) -> GenerationParams:
+    """Check a request body field by field; raises ``BadRequest`` naming the first bad field."""
+    try:
+        data = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as err:
+        raise BadRequest(f"The body is not valid JSON: {err}.", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise BadRequest("The body must be a JSON object.", code="invalid_json")
+    for name in data:
+        if name not in _FIELDS[kind] | _IGNORED:
+            raise BadRequest(f"Unrecognized or unsupported request argument: {name!r}.", param=name,
+                             code="unsupported_parameter")
+    data = {name: value for name, value in data.items() if value is not None and name not in _IGNORED}
+    max_tokens = _max_tokens(data, kind)
+    temperature = _number(data, "temperature", 1.0, lo=0.0, hi=2.0)
+    top_p = _number(data, "top_p", 1.0, lo=0.0, hi=1.0, lo_open=True)
+    return GenerationParams(
+        kind=kind, prompt=_messages(data) if kind == "chat" else _prompt(data), max_tokens=max_tokens,
+        temperature=temperature, top_p=top_p, seed=_integer(data, "seed", None), stop=_stop(data),
+        n=_integer(data, "n", 1, lo=1, hi=MAX_N), stream=_boolean(data, "stream", False),
+        include_usage=_stream_options(data), model=_string(data, "model", None))
+
+
+def _fail(name: str, expected: str, value) -> BadRequest:
+    return BadRequest(f"{name!r} must be {expected}, got {json.dumps(value)[:80]}.", param=name,
+                      code="invalid_value")
+
+
+def _integer(data: Mapping, name: str, default, lo: int | None = None, hi: int | None = None):
+    value = data.get(name, default)
+    if value is default:
+        return value
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _fail(name, "an integer", value)
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        bounds = f">= {lo}" if hi is None else f"between {lo} and {hi}"
+        raise _fail(name, f"an integer {bounds}", value)
+    return value
+
+
+def _number(data: Mapping, name: str, default: float, lo: float, hi: float, lo_open: bool = False) -> float:
+    value = data.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise _fail(name, "a number", value)
+    if value > hi or value < lo or (lo_open and value == lo):
+        raise _fail(name, f"a number in {'(' if lo_open else '['}{lo}, {hi}]", value)
+    return float(value)
+
+
+def _boolean(data: Mapping, name: str, default: bool) -> bool:
+    value = data.get(name, default)
+    if not isinstance(value, bool):
+        raise _fail(name, "true or false", value)
+    return value
+
+
+def _string(data: Mapping, name: str, default):
+    value = data.get(name, default)
+    if value is not default and not isinstance(value, str):
+        raise _fail(name, "a string", value)
+    return value
+
+
+def _max_tokens(data: Mapping, kind: str) -> int:
+    name = "max_completion_tokens" if "max_completion_tokens" in data else "max_tokens"
+    return _integer(data, name, DEFAULT_MAX_TOKENS[kind], lo=1)
+
+
+def _stop(data: Mapping) -> tuple[str, ...]:
+    value = data.get("stop", [])
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops) or len(stops) > MAX_STOP:
+        raise _fail("stop", f"a non-empty string or a list of at most {MAX_STOP} non-empty strings", value)
+    return tuple(stops)
+
+
+def _stream_options(data: Mapping) -> bool:
+    options = data.get("stream_options", {})
+    if not isinstance(options, dict) or set(options) - {"include_usage"}:
+        raise _fail("stream_options", 'an object {"include_usage": bool}', options)
+    if options and not data.get("stream", False):
+        raise BadRequest("'stream_options' is only allowed with 'stream': true.", param="stream_options",
+                         code="invalid_value")
+    return _boolean(options, "include_usage", False)
+
+
+def _prompt(data: Mapping) -> str | list[int]:
+    if "prompt" not in data:
+        raise BadRequest("'prompt' is required.", param="prompt", code="missing_required_parameter")
+    prompt = data["prompt"]
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str) and prompt:
+        return prompt
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                                                   for t in prompt):
+        return list(prompt)
+    raise _fail("prompt", "a non-empty string or a non-empty list of token ids (one prompt per request)", prompt)
+
+
+def _messages(data: Mapping) -> list[dict]:
+    messages = data.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise _fail("messages", "a non-empty list of {role, content} objects", messages)
+    return [_message(message, f"messages[{i}]") for i, message in enumerate(messages)]
+
+
+def _message(message, where: str) -> dict:
+    if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+        raise _fail(where, "an object with a string 'role'", message)
+    content = message.get("content")
+    if isinstance(content, list):  # content parts: text only
+        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                   for p in content):
+            raise _fail(f"{where}.content", "a string or a list of text parts", content)
+        content = "".join(part["text"] for part in content)
+    if not isinstance(content, str):
+        raise _fail(f"{where}.content", "a string or a list of text parts", content)
+    return {"role": message["role"], "content": content}
+
+
+# ---- responses -------------------------------------------------------------------------------------------
+def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def new_response_id(kind: str) -> str:
+    return f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+
+
+def finish_reason_name(reason) -> str | None:
+    """The engine's finish reason as OpenAI names it (EOS and stop strings are both ``"stop"``)."""
+    if reason is None:
+        return None
+    return "length" if reason.value == "length" else "stop"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def response_body(params: GenerationParams, response_id: str, model: str, choices: list[dict], usage_: dict,
+                  extension: list[dict]) -> dict:
+    """A whole (non-streamed) response; ``choices`` hold ``index``, ``text``, ``finish_reason``."""
+    if params.kind == "chat":
+        choices = [{"index": c["index"], "message": {"role": "assistant", "content": c["text"]}, "logprobs": None,
+                    "finish_reason": c["finish_reason"]} for c in choices]
+        obj = "chat.completion"
+    else:
+        choices = [{**c, "logprobs": None} for c in choices]
+        obj = "text_completion"
+    return {"id": response_id, "object": obj, "created": int(time.time()), "model": model, "choices": choices,
+            "usage": usage_, "kvspec": {"choices": extension}}
+
+
+def chunk_body(params: GenerationParams, response_id: str, model: str, index: int, text: str | None,
+               finish_reason: str | None = None, first: bool = False, extension: dict | None = None) -> dict:
+    """One streamed chunk for one choice; the chat form's first chunk carries the assistant role."""
+    if params.kind == "chat":
+        delta = {"role": "assistant", "content": ""} if first else ({} if text is None else {"content": text})
+        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        obj = "chat.completion.chunk"
+    else:
+        choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        obj = "text_completion"
+    body = {"id": response_id, "object": obj, "created": int(time.time()), "model": model, "choices": [choice]}
+    if extension is not None:
+        body["kvspec"] = extension
+    return body
+
+
+def usage_chunk(params: GenerationParams, response_id: str, model: str, usage_: dict) -> dict:
+    """The last chunk of a stream with ``stream_options.include_usage``: no choices, the usage."""
+    obj = "chat.completion.chunk" if params.kind == "chat" else "text_completion"
+    return {"id": response_id, "object": obj, "created": int(time.time()), "model": model, "choices": [],
+            "usage": usage_}
+
+
+def sse(body: dict | str) -> str:
+    """One server-sent event (``data: ...`` and a blank line)."""
+    return f"data: {body if isinstance(body, str) else json.dumps(body)}\n\n"
