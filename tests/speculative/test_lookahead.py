@@ -359,3 +359,20 @@ def test_options_are_checked():
         LookaheadAssistant(window=0)
     with pytest.raises(ValueError, match="num_draft_tokens"):
         LookaheadAssistant(num_draft_tokens="many")
+
+
+def test_make_assistant_spec():
+    from hf_kvspec.cli import _speculative_kwargs, build_parser
+    from hf_kvspec.speculative.assistants import check_spec, make_assistant
+
+    target = tiny_model("llama", seed=0)
+    built = make_assistant("lookahead:4:3:2", target, "auto")
+    assert (built.window, built.ngram, built.guesses, built.sizing is not None) == (4, 3, 2, True)
+    default = make_assistant("lookahead", target, 6)
+    assert (default.window, default.ngram, default.guesses, default.sizing) == (5, 4, 5, None)
+    assert default.num_draft_tokens == 6
+    for bad in ("lookahead:0", "lookahead:4:1", "lookahead:4:3:2:1", "lookahead:x"):
+        with pytest.raises(ValueError, match="lookahead"):
+            check_spec(bad)
+    args = build_parser().parse_args(["generate", "hi", "--assistant", "lookahead:3"])
+    assert _speculative_kwargs(args, target)["assistant"].sizing is not None  # the CLI default is auto
