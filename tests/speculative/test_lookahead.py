@@ -326,13 +326,13 @@ def test_context_continuation_equals_lookup_per_row():
 
 
 def _trie(candidates: list[list[int]]) -> tuple[list[int], list[int]]:
-    """Python reference: nodes keyed by their path, numbered by depth then first candidate."""
+    """Python reference: nodes keyed by their path, numbered by first candidate then depth."""
     paths = {}
     for c, cand in enumerate(candidates):
         for d in range(len(cand)):
             if cand[d] < 0:
                 break
-            paths.setdefault(tuple(cand[: d + 1]), (d, c))
+            paths.setdefault(tuple(cand[: d + 1]), (c, d))
     order = sorted(paths, key=paths.get)
     index = {p: n for n, p in enumerate(order)}
     return [p[-1] for p in order], [index[p[:-1]] if len(p) > 1 else -1 for p in order]

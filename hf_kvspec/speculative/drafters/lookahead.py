@@ -39,6 +39,7 @@ from hf_kvspec.speculative.drafters.lookahead_window import JacobiWindow, combin
 from hf_kvspec.speculative.drafters.ngram_pool import NgramPool, context_continuation, merge_candidates
 
 _MAX_MATCH = 3  # context lookup matches the last 1..3 tokens (NgramAssistant's default)
+_CONTEXT_TOKENS = 8  # drafts of the context continuation (NgramAssistant's default)
 
 
 class LookaheadAssistant(Assistant):
@@ -46,7 +47,8 @@ class LookaheadAssistant(Assistant):
 
     ``window`` W columns of Jacobi guesses in ``ngram - 1`` levels ride along every target forward;
     ``guesses`` G pool n-grams (``ngram - 1`` drafts each) are verified per round, plus, with ``prompt_ngrams``,
-    the context continuation of up to ``context_tokens`` drafts (default ``ngram - 1``). ``pool_size``: n-grams kept
+    the context continuation of up to ``context_tokens`` drafts (default 8, as ``NgramAssistant``), verified
+    first: a node cap keeps whole candidates in that order. ``pool_size``: n-grams kept
     per row (oldest evicted). ``num_draft_tokens="auto"`` sizes each round (window width, guesses, or plain
     decoding) from the measured forward cost (``lookahead_sizing.py``); an int runs the full shape every round with
     at most that many verified nodes. ``seed`` fixes the window's random start (outputs never depend on it).
@@ -61,7 +63,7 @@ class LookaheadAssistant(Assistant):
                  seed: int = 0):
         _check_options(window, ngram, guesses, pool_size, context_tokens)
         self.window, self.ngram, self.guesses, self.prompt_ngrams = window, ngram, guesses, bool(prompt_ngrams)
-        self.context_tokens = (ngram - 1 if context_tokens is None else context_tokens) if prompt_ngrams else 0
+        self.context_tokens = (_CONTEXT_TOKENS if context_tokens is None else context_tokens) if prompt_ngrams else 0
         most = guesses * (ngram - 1) + self.context_tokens
         super().__init__(num_draft_tokens, max_draft_tokens=max(most, 1))
         self.auto = None  # sized by shape below, not by draft length

@@ -13,7 +13,9 @@ Terms:
     candidate   a path of draft tokens after the root, ``-1`` padded: a pool tail, or the context continuation
                 (what followed the latest earlier occurrence of the row's last 1..3 tokens, as prompt lookup).
     merge       candidates sharing a prefix share its nodes: ``[a, b, c]`` and ``[a, b, d]`` give nodes
-                ``a -> b -> {c, d}``. Nodes are numbered by depth, then candidate (parents first).
+                ``a -> b -> {c, d}``. Nodes are numbered by candidate, then depth: a node's parent belongs to
+                the same or an earlier candidate, so the order is topological, and a cap on the node count keeps
+                whole candidates, the first ones (the caller lists the most promising first).
 
 Shapes: ``A`` rows, ``P`` pool capacity, ``N`` n-gram length, ``M`` n-grams added at once, ``C`` candidates,
 ``D`` candidate length, ``L`` history length, ``K`` nodes.
@@ -101,7 +103,7 @@ def context_continuation(ids: torch.Tensor, lengths: torch.Tensor, first: torch.
 def merge_candidates(candidates: torch.Tensor, filler: torch.Tensor,
                      max_nodes: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``candidates`` [A, C, D] (``-1`` padded; a token after a ``-1`` is ignored) -> ``(tokens [A, K], parents
-    [A, K])``: one tree per row, shared prefixes merged, nodes numbered by depth then candidate (topological),
+    [A, K])``: one tree per row, shared prefixes merged, nodes numbered by candidate then depth (topological),
     at most ``max_nodes``. Rows with fewer nodes are padded with children of the root carrying ``filler`` [A]
     (verified like any node: exact, only wasted)."""
     rows, width, depth = candidates.shape
@@ -111,8 +113,8 @@ def merge_candidates(candidates: torch.Tensor, filler: torch.Tensor,
     same &= real[:, :, None] & real[:, None]
     first = same.long().argmax(dim=2)  # [A, C, D] first candidate with the same prefix: the node's owner
     owns = real & (first == torch.arange(width, device=device)[None, :, None])
-    order = owns.transpose(1, 2).reshape(rows, depth * width)  # by depth, then candidate
-    numbered = (order.long().cumsum(dim=1) - 1).view(rows, depth, width).transpose(1, 2)  # [A, C, D]
+    order = owns.reshape(rows, width * depth)  # by candidate, then depth
+    numbered = (order.long().cumsum(dim=1) - 1).view(rows, width, depth)  # [A, C, D]
     node = numbered.gather(1, first)  # [A, C, D] node id of every real (candidate, depth)
     parent = torch.cat([node.new_full((rows, width, 1), -1), node[:, :, :-1]], dim=2)
     count = int(order.sum(dim=1).max()) if rows else 0
