@@ -276,6 +276,17 @@ def test_sizing_falls_back_to_plain_on_random_text():
     assert late.count(PLAIN) / len(late) > 0.85
 
 
+def test_sizing_warms_up_again_in_each_call_and_keeps_its_costs():
+    sizing = _sizing()
+    sizing.start_call(1)
+    _drive(sizing, lambda s: 1.0, lambda fed: 1.0 + 0.1 * (fed - 1), 40)
+    costs = dict(sizing.cost)
+    sizing.start_call(1)
+    assert sizing.cost == costs and sizing.choose() == sizing.largest  # same rows: kept, warm-up again
+    sizing.start_call(2)
+    assert sizing.cost == {}  # other rows: verify cost differs, start over
+
+
 def test_sizing_keeps_the_largest_shape_where_tokens_are_cheap():
     """High acceptance for the widest window and a flat forward cost (a GPU): the largest shape stays."""
     sizing = _sizing()

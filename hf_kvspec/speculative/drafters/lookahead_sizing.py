@@ -74,6 +74,12 @@ class AutoLookahead(CallScoped):
         self.prior_slope_ratio, self.explore = prior_slope_ratio, explore
         self.reset()
 
+    def start_call(self, batch: int) -> None:
+        """Costs and means carry over to a call with as many rows; the warm-up runs again (the window and the
+        pool start empty in every call)."""
+        super().start_call(batch)
+        self.rounds, self.since_probe = 0, 0
+
     def reset(self) -> None:
         self.cost: dict[int, _Mean] = {}  # fed tokens -> seconds
         self.tokens: dict[Shape, _Mean] = {}
