@@ -387,3 +387,23 @@ def test_make_assistant_spec():
             check_spec(bad)
     args = build_parser().parse_args(["generate", "hi", "--assistant", "lookahead:3"])
     assert _speculative_kwargs(args, target)["assistant"].sizing is not None  # the CLI default is auto
+
+
+@pytest.mark.slow
+def test_bundled_model_code_edit(bundled):
+    """SmolLM2-135M asked to return edited code (the answer copies the prompt): token-identical to plain greedy at
+    bs=2 (left padding), and tau > 1.5 at bs=1 (measured 2.2 over 48 tokens; NgramAssistant's is the same)."""
+    model, tokenizer = bundled
+    code = "def mean(values):\n    total = 0\n    for v in values:\n        total = total + v\n    return total / len(values)\n"
+    prompts = [f"Add type hints to this Python function and return the full code.\n\n{code}", "Name three colors."]
+    texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                           tokenize=False) for p in prompts]
+    tokenizer.padding_side = "left"
+    for rows in (2, 1):
+        inputs = tokenizer(texts[:rows], return_tensors="pt", padding=True, add_special_tokens=False)
+        expected = model.generate(**inputs, do_sample=False, max_new_tokens=48)
+        out = model.generate(**inputs, do_sample=False, max_new_tokens=48,
+                             custom_generate=hf_kvspec.speculative_generate,
+                             assistant=LookaheadAssistant(num_draft_tokens=16), return_dict_in_generate=True)
+        assert torch.equal(out.sequences, expected)
+    assert out.acceptance.tokens_per_target_forward > 1.5
