@@ -59,6 +59,7 @@ _EXPORTS: dict[str, str] = {
     "RoundOutcome": "hf_kvspec.speculative.drafters.base",
     "DraftModelAssistant": "hf_kvspec.speculative.drafters.draft_model",
     "NgramAssistant": "hf_kvspec.speculative.drafters.ngram",
+    "LookaheadAssistant": "hf_kvspec.speculative.drafters.lookahead",
     "MedusaAssistant": "hf_kvspec.speculative.drafters.medusa",
     "EagleAssistant": "hf_kvspec.speculative.drafters.eagle",
     "EarlyExitAssistant": "hf_kvspec.speculative.drafters.early_exit",

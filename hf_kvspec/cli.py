@@ -136,7 +136,7 @@ def _add_generate(subparsers) -> None:
                         f"{ASSISTANT_HELP}")
     p.add_argument("--num-draft-tokens", type=_draft_tokens, default=None,
                    help="with --assistant: draft tokens per round (K; tree nodes for medusa/eagle), or 'auto' "
-                        "(default 4; medusa/eagle: auto)")
+                        "(default 4; medusa/eagle/lookahead: auto)")
     p.add_argument("--tree", default=None, choices=TREES,
                    help="with --assistant medusa|eagle: static tree (default, small), chain, or EAGLE-2 dynamic "
                         "(default: medusa small, eagle dynamic)")
@@ -305,7 +305,8 @@ def _speculative_kwargs(args, model) -> dict:
     if args.assistant in HEAD_ASSISTANTS:
         assistant = make_head_assistant(args.assistant, model, args.tree, args.num_draft_tokens, args.draft_vocab_size)
     else:
-        num_draft_tokens = 4 if args.num_draft_tokens is None else args.num_draft_tokens
+        default = "auto" if args.assistant.startswith("lookahead") else 4  # lookahead sizes its own rounds
+        num_draft_tokens = default if args.num_draft_tokens is None else args.num_draft_tokens
         assistant = make_assistant(args.assistant, model, num_draft_tokens)
     decode_kernels = True if args.decode_kernels else False if args.stock_kernels else None  # None: on where it helps
     return {"custom_generate": speculative_generate, "assistant": assistant, "decode_kernels": decode_kernels}

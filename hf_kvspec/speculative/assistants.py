@@ -11,6 +11,8 @@ Boundary: maps names to drafter constructors; knows nothing about the decode loo
     layer_skip              LayerSkipAssistant("search"): the target with a searched skip set
     sparse_kv[:W]           SparseKVAssistant(view="streaming", window=W): the target over 4 sink tokens and the
                             last W (default 256) committed tokens of its own cache (long contexts)
+    lookahead[:W[:N[:G]]]   LookaheadAssistant(window=W, ngram=N, guesses=G): Lookahead decoding, the target only
+                            (defaults 5, 4, 5); num_draft_tokens "auto" sizes each round, an int caps its nodes
 
 ``check_spec`` parses a spec without loading anything (the CLI calls it before the model loads); ``~`` in a
 directory is expanded.
@@ -27,7 +29,7 @@ from __future__ import annotations
 from pathlib import Path
 
 ASSISTANT_HELP = ("ngram | draft:<causal LM dir> | draft:truncated:<N layers of the target> | early_exit[:E] | "
-                  "layer_skip | sparse_kv[:window]")
+                  "layer_skip | sparse_kv[:window] | lookahead[:W[:N[:G]]]")
 HEAD_ASSISTANTS = ("medusa", "eagle")
 TREES = ("default", "small", "chain", "dynamic")
 
@@ -67,7 +69,8 @@ def make_head_assistant(kind: str, target, tree: str | None = None, num_draft_to
 
 
 def check_spec(spec: str) -> tuple[str, int | Path | None]:
-    """Parse ``spec`` without loading anything: ``("ngram", None)``, ``("truncated", N)`` or ``("draft", dir)``.
+    """Parse ``spec`` without loading anything: ``("ngram", None)``, ``("truncated", N)``, ``("draft", dir)``,
+    ``("lookahead", (W, N, G) or a prefix of it)``, ...
 
     The one grammar for ``make_assistant`` and the CLI's early check; raises naming what is wrong. The upper bound
     of ``N`` (the target's layer count) is checked by ``truncated_draft`` once the target is loaded.
@@ -88,6 +91,8 @@ def check_spec(spec: str) -> tuple[str, int | Path | None]:
         if spec != "sparse_kv" and (not window.isdigit() or int(window) < 1):
             raise ValueError(f"sparse_kv:<window> needs a positive number of recent tokens, got {spec!r}")
         return "sparse_kv", int(window) if window else None
+    if spec == "lookahead" or spec.startswith("lookahead:"):  # LookaheadAssistant(W, N, G)
+        return "lookahead", _lookahead_sizes(spec)
     if spec.startswith("draft:truncated:"):
         layers = spec.removeprefix("draft:truncated:")
         if not layers.isdigit():
@@ -118,6 +123,10 @@ def make_assistant(spec: str, target, num_draft_tokens: int | str = 4):
                         f"{type(target).__name__}.")
     if kind == "ngram":
         return NgramAssistant(max_ngram=3, num_draft_tokens=num_draft_tokens)
+    if kind == "lookahead":
+        from hf_kvspec.speculative.drafters.lookahead import LookaheadAssistant
+
+        return LookaheadAssistant(*value, num_draft_tokens=num_draft_tokens)
     if kind in ("early_exit", "layer_skip", "sparse_kv"):
         return _self_drafter(kind, value, target, num_draft_tokens)
     if kind == "truncated":
@@ -125,6 +134,18 @@ def make_assistant(spec: str, target, num_draft_tokens: int | str = 4):
 
         return DraftModelAssistant(truncated_draft(target, value), num_draft_tokens=num_draft_tokens)
     return DraftModelAssistant(_load_draft(value, target), num_draft_tokens=num_draft_tokens)
+
+
+def _lookahead_sizes(spec: str) -> tuple[int, ...]:
+    """``lookahead[:W[:N[:G]]]`` -> the sizes given, in order (the others keep LookaheadAssistant's defaults)."""
+    parts = spec.split(":")[1:]
+    minimums = (("window W", 1), ("ngram N", 2), ("guesses G", 0))
+    if len(parts) > 3 or not all(p.isdigit() for p in parts):
+        raise ValueError(f"lookahead[:W[:N[:G]]] takes up to three ints (window, n-gram length, guesses), got {spec!r}")
+    for part, (name, minimum) in zip(parts, minimums):
+        if int(part) < minimum:
+            raise ValueError(f"{spec}: {name} must be >= {minimum}")
+    return tuple(int(p) for p in parts)
 
 
 def parse_num_draft_tokens(value: str) -> int | str:

@@ -5,6 +5,7 @@
                                      [--part NAME]          # writes benchmarks/results/spec.NAME.{json,md}
     python scripts/benchmark.py spec --combine              # merges every spec.*.json part into spec.{json,md,png}
     python scripts/benchmark.py spec --assistant medusa|eagle  # bundled heads, trees (bench/spec_trees.py)
+    python scripts/benchmark.py spec --assistant lookahead     # Lookahead decoding (bench/spec_lookahead.py)
 
 Compared at bs=1 on a fixed prompt set (chat, code, summarization of a given text), greedy and temperature 0.7:
     plain       model.generate
@@ -83,11 +84,15 @@ def add_arguments(parser) -> None:
                         help="comma list at bs=4")
     parser.add_argument("--part", default="", help="write spec.PART.{json,md} (merge them with --combine)")
     parser.add_argument("--combine", action="store_true", help="merge spec.*.json parts into spec.{json,md,png}")
-    parser.add_argument("--assistant", choices=["medusa", "eagle", "early_exit", "layer_skip"], default=None,
+    parser.add_argument("--assistant", choices=["medusa", "eagle", "early_exit", "layer_skip", "lookahead"],
+                        default=None,
                         help="bundled heads with tree verification (bench/spec_trees.py): chain vs static vs dynamic "
                              "trees on the held-out chat prompts; writes spec.PART or spec.ASSISTANT; early_exit | "
-                             "layer_skip: self-speculation (bench/selfspec.py, writes spec.selfspec)")
+                             "layer_skip: self-speculation (bench/selfspec.py, writes spec.selfspec); lookahead: "
+                             "Lookahead decoding vs plain and NgramAssistant (bench/spec_lookahead.py)")
     parser.add_argument("--exit-layer", type=int, default=None, help="with --assistant early_exit: E (default L // 2)")
+    parser.add_argument("--lookahead-methods", default="",
+                        help="with --assistant lookahead: comma list (see bench/spec_lookahead.py)")
     parser.add_argument("--tree-methods", default="", help="with --assistant: comma list (see bench/spec_trees.py)")
     parser.add_argument("--num-prompts", type=int, default=35, help="with --assistant: held-out prompts (evenly spread)")
     parser.add_argument("--defaults", action="store_true",
@@ -237,6 +242,10 @@ def run(args) -> None:
         from bench import spec_defaults
 
         return spec_defaults.run(args)
+    if args.assistant == "lookahead":
+        from bench import spec_lookahead
+
+        return spec_lookahead.run(args)
     if args.assistant in ("early_exit", "layer_skip"):
         from bench import selfspec
 
