@@ -242,6 +242,8 @@ class Engine:
                 self._gather_features(request, result.features)
                 continue
             new, reason = self._append(request, result.verdict.tokens, now)
+            if result.verified:
+                request.metrics.record_speculation(result.verdict.num_draft, result.verdict.num_accepted, len(new))
             if reason is not None:
                 request.finish(reason, now)
                 self.scheduler.remove(request)
@@ -272,7 +274,6 @@ class Engine:
             else:
                 self.cache.keep_new_tokens(request.request_id, row.start, kept)
             request.num_computed += verdict.num_accepted
-            request.metrics.record_speculation(verdict.num_draft, verdict.num_accepted, len(verdict.tokens))
             path = None if result.features is None else result.features[kept][None]  # [1, 1 + k, F]
             self.drafters.sessions[request.request_id].observe(
                 request.num_computed, verdict.num_accepted, verdict.num_draft, path, verdict.accepted_nodes)

@@ -15,21 +15,22 @@ The rules of one round (``Scheduler.schedule``), with ``budget = max_tokens_per_
        is left, fewer than ``max_running`` run, and the blocks of their first chunk are free. Admission attaches
        the longest cached prefix (salted block hashes) first, so a shared system prompt costs no prefill.
        Admission stops at the first request that does not fit (no overtaking: FIFO stays FIFO).
-    3'. (Before 3) drafts, with an assistant: decode rows in policy order get
-       ``policy.draft_tokens(request, budget left)`` draft slots (at most ``request.draft_limit``), only from
-       free blocks — drafts never preempt, and a decode row never waits for another row's drafts. A crowded
-       round grants later rows fewer drafts, or none.
     4. Out of blocks while reserving (1 or 2): the policy's lowest-priority running request that is not yet
        scheduled this round is preempted — its blocks freed, it goes back to waiting and is recomputed later
        (prompt + output so far; its full blocks are often still cached, so recompute is mostly prefix hits).
        If the requester itself is the lowest priority, it is the one preempted. Every request fits alone
        (``add_request`` refuses one that cannot), so preemption always makes progress.
+    5. Last, drafts (with an assistant): decode rows in policy order get ``policy.draft_tokens(request, budget
+       left)`` draft slots (at most ``request.draft_limit``), from free blocks only — drafts never preempt or
+       hold back a decode row, a prefill chunk or an admission. A crowded round grants later rows fewer drafts,
+       or none.
 Tokens of a round never exceed the budget; ``max_running <= max_tokens_per_round`` keeps every decode row in.
 
-Speculation: ``SchedulingPolicy.draft_tokens`` grants a decode row draft slots from the budget left after rules
-1 and 2 (0 without an assistant: ``request.draft_limit`` is 0); ``ScheduledRow.draft_tokens`` carries them to the
-engine, which drafts at most that many tokens and verifies them in the row (``speculation.py``). Why after the
-running prefills: drafts are a bet, a prefill chunk is sure progress (and time to first token).
+Speculation (rule 5): ``SchedulingPolicy.draft_tokens`` grants a decode row draft slots from the budget left
+after rules 1-3 (0 without an assistant: ``request.draft_limit`` is 0); ``ScheduledRow.draft_tokens`` carries
+them to the engine, which drafts at most that many tokens and verifies them in the row (``speculation.py``). Why
+last: a draft is a bet, every other token of the round is sure progress (a prefill chunk or an admission also
+shortens someone's time to first token); a round with budget to spare spends it on drafts.
 """
 
 from __future__ import annotations
@@ -130,9 +131,9 @@ class Scheduler:
                 break
             if request.status is RequestStatus.RUNNING:  # not preempted earlier in this round
                 budget -= self._schedule_running(request, budget, plan)
-        budget -= self._grant_drafts(plan, budget)
         if not plan.preempted:
-            self._admit(plan, budget)
+            budget -= self._admit(plan, budget)
+        self._grant_drafts(plan, budget)
         return plan
 
     def _grant_drafts(self, plan: RoundPlan, budget: int) -> int:
@@ -175,8 +176,10 @@ class Scheduler:
                 if victim is request:
                     return False
 
-    def _admit(self, plan: RoundPlan, budget: int) -> None:
-        """Rule 3: admit waiting requests while budget, ``max_running`` and free blocks allow."""
+    def _admit(self, plan: RoundPlan, budget: int) -> int:
+        """Rule 3: admit waiting requests while budget, ``max_running`` and free blocks allow; returns the
+        tokens they take."""
+        given = budget
         while budget > 0 and self.waiting and len(self.running) < self.max_running:
             request = self.policy.next_waiting(self.waiting)
             request.num_computed = self.cache.add_sequence(request.request_id, request.tokens, request.salt)
@@ -185,7 +188,7 @@ class Scheduler:
             if self.cache.blocks_to_grow(request.request_id, new_length) > self.cache.num_free_blocks():
                 self.cache.release(request.request_id)
                 request.num_computed = 0
-                return
+                break
             self.cache.reserve(request.request_id, new_length)
             self.waiting.remove(request)
             self.running.append(request)
@@ -194,3 +197,4 @@ class Scheduler:
             plan.rows.append(ScheduledRow(request, request.num_computed, num_tokens,
                                           num_tokens == request.num_uncomputed))
             budget -= num_tokens
+        return given - budget
