@@ -13,6 +13,10 @@ the commit — the model, a logits processor, a stop-string check — the round'
 sampled requests' generators are restored and no request advances; the exception propagates and the next
 ``step()`` runs the round again.
 
+With an assistant, each decoding request drafts through its own session (``drafting.py``), within the slots the
+scheduler granted it, and its drafts are verified in the same forward (``speculation.py``): the round commits,
+per request, the accepted path plus one token and rolls the rest of its K/V back.
+
 Greedy output of each request is the same as ``model.generate(prompt, do_sample=False)`` on that prompt alone
 (``tests/serving``), whoever else is running, however its prompt was chunked, shared or recomputed.
 """

@@ -13,10 +13,10 @@ Layout of a round with rows a (decode), b (prefill chunk of 3), c (decode):
     position_ids  [[  5 |  0  1  2 |  9 ]]     each row's own positions
     logits rows      a5 (col 0), b2 (col 3) if b's chunk ends its prompt, c9 (col 4)
 
-Speculation seam: ``ForwardRow`` is the general row — draft tokens appended after a decode row's real token,
-with tree positions and a tree mask among the new tokens, and logits at every node — so a verify forward of
-several requests is one packed run; the rejected tail is then rolled back per sequence with
-``cache.truncate(seq_id, length)`` (``tests/serving/test_runner.py`` checks both against plain forwards).
+Speculation: ``ForwardRow`` is the general row — draft tokens appended after a decode row's real token, with
+tree positions and a tree mask among the new tokens, and logits at every node — so the verify rows of several
+requests share one packed run with decode and prefill rows (``speculation.py`` builds them); the target's
+features of every column come back too when a drafter reads them (``forward_with_features``).
 
 Shape legend: T packed tokens of the round · K logits rows kept · V vocabulary.
 """
