@@ -157,6 +157,9 @@ class Drafters:
 
     def start(self, request: Request) -> None:
         """Begin ``request``'s session on its tokens (its prefill, or a plain decode step, has just ended)."""
+        stale = self.sessions.pop(request.request_id, None)
+        if stale is not None:  # a recompute whose preemption bypassed the engine (Scheduler.preempt)
+            stale.end()
         gathered = self._gathered.pop(request.request_id, [])
         features = torch.cat(gathered)[None] if self.feature_layers is not None and gathered else None
         if self.feature_layers is not None and features is None:
