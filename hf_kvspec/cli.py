@@ -420,6 +420,12 @@ def _add_batch(subparsers) -> None:
     p.add_argument("--max-running", type=_count(1), default=16, help="requests running at once")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--no-chat", action="store_true", help="feed \"prompt\" text raw, without the chat template")
+    p.add_argument("--assistant", default=None,
+                   help="speculative decoding inside the rounds: ngram | eagle | medusa (the bundled heads) | "
+                        "draft:<causal LM dir> | draft:truncated:<N>")
+    p.add_argument("--num-draft-tokens", type=_count(1), default=None,
+                   help="with --assistant: drafts (tree nodes) per request per round at most (default: ngram and "
+                        "draft models 4, eagle and medusa 8); the token budget may grant fewer")
     p.add_argument("--threads", type=_count(1), default=2)
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=_run_batch, check=functools.partial(_check_batch, p))
@@ -433,6 +439,26 @@ def _check_batch(parser, args) -> None:
     if args.max_running > args.max_tokens_per_round:
         parser.error(f"--max-running {args.max_running} exceeds --max-tokens-per-round {args.max_tokens_per_round}: "
                      "every running request needs a token of each round.")
+    if args.assistant is None and args.num_draft_tokens is not None:
+        parser.error("--num-draft-tokens applies to speculative decoding; add --assistant (e.g. ngram) or drop it.")
+    if args.assistant is not None:
+        problem = _batch_assistant_problem(args.assistant)
+        if problem:
+            parser.error(f"--assistant: {problem}")
+
+
+def _batch_assistant_problem(spec: str) -> str | None:
+    """What is wrong with ``batch --assistant`` before the model loads: the engine runs chain and tree drafters,
+    not self-speculation (it shares one paged cache among all requests)."""
+    from hf_kvspec.speculative.assistants import HEAD_ASSISTANTS
+
+    if spec in HEAD_ASSISTANTS:
+        return None
+    problem = _assistant_problem(spec)
+    if problem is None and spec.split(":")[0] in ("early_exit", "layer_skip", "sparse_kv"):
+        return f"{spec} is self-speculation (it drafts on the target's own cache); the engine takes ngram, eagle, " \
+               "medusa or a draft model (draft:<dir>, draft:truncated:<N>)."
+    return problem
 
 
 def _run_batch(args) -> None:
@@ -447,7 +473,8 @@ def _run_batch(args) -> None:
     model, tokenizer = load_bundled_model(args.model)
     engine = Engine(model, tokenizer, kv_budget=args.kv_budget, block_size=args.block_size,
                     max_tokens_per_round=args.max_tokens_per_round, max_running=args.max_running,
-                    enable_prefix_caching=not args.no_prefix_caching)
+                    enable_prefix_caching=not args.no_prefix_caching, assistant=args.assistant,
+                    num_draft_tokens=args.num_draft_tokens)
     started = time.perf_counter()
     results = run_requests(engine, requests, {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature},
                            chat=not args.no_chat, progress_bar=not args.no_progress)
@@ -460,6 +487,10 @@ def _run_batch(args) -> None:
     print(f"rounds {stats['rounds']}, tokens/forward {stats['tokens_per_forward']:.1f}, preemptions "
           f"{stats['preemptions']}, prefix hit rate {stats['prefix_hit_rate']:.0%}, mean block use "
           f"{stats['mean_block_utilization']:.0%}")
+    if args.assistant is not None:
+        rate = stats["acceptance_rate"]
+        print(f"speculation ({args.assistant}): output tokens/forward {stats['output_tokens_per_forward']:.2f}, "
+              f"draft tokens {stats['draft_tokens']}, acceptance {'n/a' if rate is None else f'{rate:.0%}'}")
 
 
 def _add_serve(subparsers) -> None:
@@ -499,22 +530,11 @@ def _check_serve(parser, args) -> None:
     if args.max_running > args.max_tokens_per_round:
         parser.error(f"--max-running {args.max_running} exceeds --max-tokens-per-round {args.max_tokens_per_round}: "
                      "every running request needs a token of each round.")
-    if args.assistant is not None and not _engine_takes_assistant():
-        parser.error("--assistant: this version's Engine has no speculative decoding inside it yet "
-                     "(Engine(..., assistant=...)); serve without --assistant.")
     try:
         import starlette  # noqa: F401
         import uvicorn  # noqa: F401
     except ImportError:
         parser.error("serve needs the server extra: pip install 'hf-kvspec[serve]'.")
-
-
-def _engine_takes_assistant() -> bool:
-    import inspect
-
-    from hf_kvspec.serving.engine import Engine
-
-    return "assistant" in inspect.signature(Engine).parameters
 
 
 def _run_serve(args) -> None:

@@ -203,6 +203,30 @@ class RaggedPagedCache(Cache):
         self.tables.truncate(self._row_of[seq_id], length)
         self._stored[seq_id] = length
 
+    def keep_new_tokens(self, seq_id: int, start: int, kept: Sequence[int]) -> None:
+        """Keep, of ``seq_id``'s stored tokens from ``start`` on, those at offsets ``kept`` (ascending; a draft
+        tree's root and accepted path), moved to ``start, start + 1, ...``; drop the rest. Destinations are
+        made writable first (copy-on-write of a shared block), then every layer moves the slots."""
+        stored = self._stored[seq_id]
+        if list(kept) != sorted(set(kept)) or (kept and not 0 <= start + kept[-1] < stored):
+            raise ValueError(f"keep_new_tokens(): offsets {list(kept)} from {start} must ascend inside sequence "
+                             f"{seq_id}'s {stored} tokens.")
+        moves = [(start + i, start + j) for j, i in enumerate(kept) if i != j]
+        if moves:
+            row = self._row_of[seq_id]
+            spans = [(self.tables.length(r), self.tables.length(r)) for r in range(self.tables.num_rows)]
+            spans[row] = (moves[0][1], moves[-1][1] + 1)
+            copies = self.tables.prepare_writes(spans)
+            table = self.tables.table(row)
+            src, dst = ([table[p // self.block_size] * self.block_size + p % self.block_size for p in side]
+                        for side in zip(*moves))
+            for layer in self.layers:
+                if layer.is_initialized:
+                    if copies:
+                        layer.copy_blocks(copies)
+                    layer.move(torch.tensor(src), torch.tensor(dst))
+        self.truncate(seq_id, start + len(kept))
+
     # ---- the forward ---------------------------------------------------------------------------------
     def begin_forward(self, rows: Sequence[RaggedRow], device: torch.device) -> RaggedKV:
         """Fix the packed layout of the next forward; every row must be ``reserve``d for its new tokens."""

@@ -14,6 +14,10 @@ sampled requests' generators are restored and no request advances; the exception
 ``step()`` runs the round again. ``failed_round`` names the round's requests, for a caller (the server) that
 would rather cancel them than retry.
 
+With an assistant, each decoding request drafts through its own session (``drafting.py``), within the slots the
+scheduler granted it, and its drafts are verified in the same forward (``speculation.py``): the round commits,
+per request, the accepted path plus one token and rolls the rest of its K/V back.
+
 Greedy output of each request is the same as ``model.generate(prompt, do_sample=False)`` on that prompt alone
 (``tests/serving``), whoever else is running, however its prompt was chunked, shared or recomputed.
 """
@@ -22,16 +26,32 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
 
 from hf_kvspec.cache.ragged import RaggedPagedCache
+from hf_kvspec.speculative.drafters.base import DraftProposal
 
 from .attention import register_ragged_attention
+from .drafting import Drafters, check_assistant, resolve_assistant
 from .prompts import Prompt, make_settings, prompt_ids, settings_from_generation_config
 from .request import FinishReason, Request, RequestDelta, RequestOutput, RequestTooLongError
-from .runner import ForwardRunner
+from .runner import ForwardRow, ForwardRunner
 from .sampling import finish_reason, next_token
-from .scheduler import RoundPlan, Scheduler, SchedulingPolicy
+from .scheduler import RoundPlan, ScheduledRow, Scheduler, SchedulingPolicy
+from .speculation import Verdict, VerifyRow, request_processor
 from .telemetry import EngineStats, RoundStats
+
+
+@dataclass(frozen=True)
+class RowResult:
+    """What the round's forward decided for one scheduled row."""
+
+    verdict: Verdict | None  # None: a prefill chunk short of the prompt's end (nothing sampled)
+    features: torch.Tensor | None  # [width, F] the target's features of the row's columns (feature drafters)
+    width: int  # packed columns of the row (its tokens and drafts)
+    verified: bool = True  # False: a plain sample (no drafter session), not a verify row
 
 
 class Engine:
@@ -46,11 +66,15 @@ class Engine:
         max_running: requests running at once (at most ``max_tokens_per_round``).
         policy: the scheduling policy (``SchedulingPolicy``: FIFO).
         enable_prefix_caching: reuse computed full blocks of identical (and identically salted) prefixes.
+        assistant: speculative decoding inside the rounds (``speculation.py``): an ``Assistant`` (ngram, a draft
+            model, Medusa, EAGLE) or a spec string (``"ngram"``, ``"eagle"``, ``"medusa"``, ``"draft:<dir>"``).
+        num_draft_tokens: drafts (tree nodes) per request per round at most; default the assistant's own size
+            (``drafting.AUTO_DRAFT_TOKENS`` for ``"auto"``). The token budget may grant fewer.
     """
 
     def __init__(self, model, tokenizer=None, *, kv_budget: int | str = "256MB", block_size: int = 16,
                  max_tokens_per_round: int = 256, max_running: int = 16, policy: SchedulingPolicy | None = None,
-                 enable_prefix_caching: bool = True):
+                 enable_prefix_caching: bool = True, assistant=None, num_draft_tokens: int | None = None):
         for name, value in (("block_size", block_size), ("max_tokens_per_round", max_tokens_per_round),
                             ("max_running", max_running)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -67,6 +91,13 @@ class Engine:
         self._cancelled: list[RequestDelta] = []
         self.failed_round: tuple[int, ...] = ()  # request ids of the last round that raised (a server fails them)
         self._max_positions = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
+        self.drafters = None if assistant is None else self._drafters(assistant, num_draft_tokens)
+
+    def _drafters(self, assistant, num_draft_tokens: int | None) -> Drafters:
+        assistant = resolve_assistant(assistant, self.model)
+        check_assistant(assistant, sliding=any(layer.is_sliding for layer in self.cache.layers))
+        pad = self.model.generation_config.pad_token_id
+        return Drafters(assistant, self.model, num_draft_tokens, pad if isinstance(pad, int) else 0)
 
     # ---- requests ------------------------------------------------------------------------------------------
     def add_request(self, prompt: Prompt, *, max_new_tokens: int = 32, do_sample: bool = False,
@@ -116,6 +147,7 @@ class Engine:
         if request.finished:
             return
         self.scheduler.remove(request)
+        self._forget_drafts(request)
         request.finish(FinishReason.CANCELLED, time.perf_counter())
         self._cancelled.append(RequestDelta(request_id, (), True, FinishReason.CANCELLED))
 
@@ -136,49 +168,137 @@ class Engine:
         """Run one round; returns what it did for each request (cancellations since the last step included)."""
         deltas, self._cancelled = self._cancelled, []
         started = time.perf_counter()
-        plan, tokens = self._run_round()
+        plan, results = self._run_round()
         if plan.rows:
-            deltas += self._commit(plan, tokens, time.perf_counter())
-            self._record(plan, tokens, time.perf_counter() - started)
+            new = self._commit(plan, results, time.perf_counter())
+            self._record(plan, results, sum(len(d.new_token_ids) for d in new), time.perf_counter() - started)
+            deltas += new
         return deltas
 
-    def _run_round(self) -> tuple[RoundPlan, list[int]]:
-        """Schedule, forward and choose tokens; on any exception, undo the round's reservations and samples."""
-        generators, plan = [], None
+    def _run_round(self) -> tuple[RoundPlan, list[RowResult]]:
+        """Schedule, draft, forward and choose tokens; on any exception, undo the round's reservations and samples
+        (and drop the drafter sessions that drafted in it: ``drafting.py``)."""
+        generators, verify, plan = [], {}, None
         try:
+            self._set_draft_limits()
             plan = self.scheduler.schedule()
+            for request in plan.preempted:
+                self._forget_drafts(request)
             if not plan.rows:
                 return plan, []
             sampling = [row.request for row in plan.rows if row.samples]
             generators = [(r.generator, r.generator.get_state()) for r in sampling if r.generator is not None]
-            logits = self.runner.run(plan.rows)  # [K, V], one row per sampling request
-            return plan, [next_token(request, logits[k]) for k, request in enumerate(sampling)]
+            verify = self._draft(plan)
+            return plan, self._forward_and_choose(plan, verify)
         except BaseException:
             self.failed_round = () if plan is None else tuple(row.request.request_id for row in plan.rows)
             self.cache.end_forward(ok=False)
             for generator, state in generators:
                 generator.set_state(state)
+            for row in verify.values():
+                self._forget_drafts(row.request)
             raise
 
-    def _commit(self, plan: RoundPlan, tokens: list[int], now: float) -> list[RequestDelta]:
+    def _set_draft_limits(self) -> None:
+        for request in self.scheduler.running:
+            request.draft_limit = self.drafters.draft_limit(request) if self.drafters and request.is_decoding else 0
+
+    def _draft(self, plan: RoundPlan) -> dict[int, VerifyRow]:
+        """Drafts of the round's decode rows whose requests have a drafter session, at most the slots granted
+        (``VerifyRow`` by row index; a row granted none verifies no drafts but still goes through acceptance)."""
+        verify = {}
+        for index, row in enumerate(plan.rows):
+            request = row.request
+            if not (self.drafters and row.samples and row.num_tokens == 1 and self.drafters.has_session(request)):
+                continue
+            count = min(row.draft_tokens, request.draft_limit)
+            session = self.drafters.sessions[request.request_id]
+            try:
+                proposal = (session.propose(request, count, self.drafters.max_depth(request), request_processor(request))
+                            if count > 0 else DraftProposal(torch.zeros(1, 0, dtype=torch.long)))
+            except BaseException:
+                self._forget_drafts(request)
+                raise
+            verify[index] = VerifyRow(request, proposal)
+        return verify
+
+    def _forward_and_choose(self, plan: RoundPlan, verify: dict[int, VerifyRow]) -> list[RowResult]:
+        """The packed forward (features too, when the assistant reads them) and every row's new tokens."""
+        rows = [verify[i].forward_row() if i in verify else ForwardRow.scheduled(row) for i, row in enumerate(plan.rows)]
+        layers = self.drafters.feature_layers if self.drafters else None
+        logits, features = self.runner.forward_with_features(rows, layers)  # [K, V], [T, F] | None
+        results, at, column = [], 0, 0
+        for index, (row, forward_row) in enumerate(zip(plan.rows, rows)):
+            count, width = len(forward_row.logits_at), len(forward_row.token_ids)
+            row_features = None if features is None else features[column: column + width]  # [width, F]
+            if index in verify:
+                results.append(RowResult(verify[index].accept(logits[at: at + count]), row_features, width))
+            elif row.samples:
+                results.append(RowResult(Verdict([next_token(row.request, logits[at])], 0, 0, [], None),
+                                         row_features, width, verified=False))
+            else:
+                results.append(RowResult(None, row_features, width))
+            at, column = at + count, column + width
+        return results
+
+    def _commit(self, plan: RoundPlan, results: list[RowResult], now: float) -> list[RequestDelta]:
         self.cache.end_forward(ok=True)
-        deltas, sampled, admitted = [], iter(tokens), {id(r) for r in plan.admitted}
-        for row in plan.rows:
+        deltas, admitted = [], {id(r) for r in plan.admitted}
+        for row, result in zip(plan.rows, results):
             request = row.request
             if id(request) in admitted:
                 self._on_admitted(request, cached_tokens=row.start)
             request.num_computed += row.num_tokens
-            if not row.samples:
+            if result.verdict is None:  # a prefill chunk that does not reach the end of the prompt
+                self._gather_features(request, result.features)
                 continue
-            request.append_token(next(sampled), now)
-            reason = finish_reason(request, self.tokenizer)
+            new, reason = self._append(request, result.verdict.tokens, now)
+            if result.verified:
+                request.metrics.record_speculation(result.verdict.num_draft, result.verdict.num_accepted, len(new))
             if reason is not None:
                 request.finish(reason, now)
                 self.scheduler.remove(request)
+                self._forget_drafts(request)
             else:
+                self._keep(request, row, result)
                 self.cache.record_tokens(request.request_id, request.tokens)
-            deltas.append(RequestDelta(request.request_id, (request.output_ids[-1],), reason is not None, reason))
+            deltas.append(RequestDelta(request.request_id, tuple(new), reason is not None, reason))
         return deltas
+
+    def _append(self, request: Request, tokens: list[int], now: float) -> tuple[list[int], FinishReason | None]:
+        """Append the round's tokens one by one up to the first that ends the request (it is kept, as in
+        ``generate``); returns the appended tokens and the finish reason."""
+        for count, token in enumerate(tokens, start=1):
+            request.append_token(token, now)
+            reason = finish_reason(request, self.tokenizer)
+            if reason is not None:
+                return tokens[:count], reason
+        return tokens, None
+
+    def _keep(self, request: Request, row: ScheduledRow, result: RowResult) -> None:
+        """A request that goes on: keep its verified path in the cache, tell its drafter, or begin one."""
+        verdict = result.verdict
+        if result.verified:
+            kept = verdict.kept
+            if kept == list(range(len(kept))):
+                self.cache.truncate(request.request_id, row.start + len(kept))
+            else:
+                self.cache.keep_new_tokens(request.request_id, row.start, kept)
+            request.num_computed += verdict.num_accepted
+            path = None if result.features is None else result.features[kept][None]  # [1, 1 + k, F]
+            self.drafters.sessions[request.request_id].observe(
+                request.num_computed, verdict.num_accepted, verdict.num_draft, path, verdict.accepted_nodes)
+        elif self.drafters is not None:
+            self._gather_features(request, result.features)
+            self.drafters.start(request)
+
+    def _gather_features(self, request: Request, features) -> None:
+        if self.drafters is not None:
+            self.drafters.gather(request, features)
+
+    def _forget_drafts(self, request: Request) -> None:
+        if self.drafters is not None:
+            self.drafters.drop(request)
 
     def _on_admitted(self, request: Request, cached_tokens: int) -> None:
         """Prefix-reuse figures of an admission (a recompute after preemption counts too)."""
@@ -187,14 +307,17 @@ class Engine:
         if request.metrics.num_preemptions == 0:
             request.metrics.cached_prompt_tokens = cached_tokens
 
-    def _record(self, plan: RoundPlan, tokens: list[int], seconds: float) -> None:
+    def _record(self, plan: RoundPlan, results: list[RowResult], output_tokens: int, seconds: float) -> None:
         decode = sum(1 for row in plan.rows if row.num_tokens == 1 and row.samples)
+        verdicts = [r.verdict for r in results if r.verdict is not None]
         self.stats.record(RoundStats(
-            num_tokens=plan.num_tokens, num_rows=len(plan.rows), num_decode_rows=decode, num_sampled=len(tokens),
+            num_tokens=sum(r.width for r in results), num_rows=len(plan.rows), num_decode_rows=decode,
+            num_sampled=len(verdicts), num_draft_tokens=sum(v.num_draft for v in verdicts),
+            num_accepted=sum(v.num_accepted for v in verdicts),
             running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
             used_blocks=self.cache.num_total_blocks() - self.cache.num_free_blocks(),
             total_blocks=self.cache.num_total_blocks(), slot_utilization=self.cache.utilization(),
-            preempted=len(plan.preempted), seconds=seconds))
+            preempted=len(plan.preempted), seconds=seconds, num_output_tokens=output_tokens))
 
     # ---- convenience ---------------------------------------------------------------------------------------
     def stream(self, request_id: int) -> Iterator[RequestDelta]:

@@ -10,7 +10,8 @@ Input, one JSON object per line, exactly one of:
 and optionally "id" (echoed back; default: the line number), "max_new_tokens", "temperature" (0 = greedy),
 "top_p", "top_k", "seed", "stop" (a string or a list), "salt" — each overriding the run's default.
 Output, one JSON object per input line and in the same order: "id", "output" (text), "output_ids",
-"finish_reason", "prompt_tokens", "cached_prompt_tokens", "ttft_s", "time_per_output_token_s", "preemptions".
+"finish_reason", "prompt_tokens", "cached_prompt_tokens", "ttft_s", "time_per_output_token_s", "preemptions", "tau",
+"acceptance_rate" (None without an assistant).
 """
 
 from __future__ import annotations
@@ -78,7 +79,8 @@ def _result(engine: Engine, request_id: int, user_id) -> dict:
         "finish_reason": out.finish_reason.value if out.finish_reason else None,
         "prompt_tokens": len(out.prompt_ids), "cached_prompt_tokens": out.metrics.cached_prompt_tokens,
         "ttft_s": out.metrics.ttft, "time_per_output_token_s": out.metrics.time_per_output_token,
-        "preemptions": out.metrics.num_preemptions,
+        "preemptions": out.metrics.num_preemptions, "tau": out.metrics.tau,
+        "acceptance_rate": out.metrics.acceptance_rate,
     }
 
 

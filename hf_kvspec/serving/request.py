@@ -75,7 +75,21 @@ class RequestMetrics:
     cached_prompt_tokens: int = 0  # served by prefix reuse at the first admission
     num_preemptions: int = 0
     tau: float | None = None  # speculation: tokens per target forward (None: no assistant)
-    acceptance_rate: float | None = None  # speculation: accepted / drafted tokens (None: no assistant)
+    acceptance_rate: float | None = None  # speculation: accepted / drafted tokens (None: nothing drafted yet)
+    num_speculative_rounds: int = 0  # decode rounds with a drafter (drafts granted or not)
+    num_speculative_tokens: int = 0  # tokens those rounds emitted (accepted drafts + the next token)
+    num_draft_tokens: int = 0  # draft tokens verified
+    num_accepted_tokens: int = 0  # of which accepted
+
+    def record_speculation(self, drafted: int, accepted: int, emitted: int) -> None:
+        """One decode round with a drafter: ``drafted`` tokens verified, ``accepted`` kept, ``emitted`` output."""
+        self.num_speculative_rounds += 1
+        self.num_speculative_tokens += emitted
+        self.num_draft_tokens += drafted
+        self.num_accepted_tokens += accepted
+        self.tau = self.num_speculative_tokens / self.num_speculative_rounds
+        if self.num_draft_tokens:
+            self.acceptance_rate = self.num_accepted_tokens / self.num_draft_tokens
 
     @property
     def ttft(self) -> float | None:
@@ -129,6 +143,7 @@ class Request:
         self.generator = _generator(settings)
         self.read_cursor = 0  # output tokens already yielded by Engine.stream
         self.fork_of: int | None = None  # a running request whose stored prefix this one shares when admitted
+        self.draft_limit = 0  # draft tokens it would verify next round (set by the engine; 0: no speculation)
 
     @property
     def tokens(self) -> list[int]:

@@ -13,16 +13,17 @@ Layout of a round with rows a (decode), b (prefill chunk of 3), c (decode):
     position_ids  [[  5 |  0  1  2 |  9 ]]     each row's own positions
     logits rows      a5 (col 0), b2 (col 3) if b's chunk ends its prompt, c9 (col 4)
 
-Speculation seam: ``ForwardRow`` is the general row — draft tokens appended after a decode row's real token,
-with tree positions and a tree mask among the new tokens, and logits at every node — so a verify forward of
-several requests is one packed run; the rejected tail is then rolled back per sequence with
-``cache.truncate(seq_id, length)`` (``tests/serving/test_runner.py`` checks both against plain forwards).
+Speculation: ``ForwardRow`` is the general row — draft tokens appended after a decode row's real token, with
+tree positions and a tree mask among the new tokens, and logits at every node — so the verify rows of several
+requests share one packed run with decode and prefill rows (``speculation.py`` builds them); the target's
+features of every column come back too when a drafter reads them (``forward_with_features``).
 
 Shape legend: T packed tokens of the round · K logits rows kept · V vocabulary.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ import torch
 
 from hf_kvspec import _compat
 from hf_kvspec.cache.ragged import RaggedPagedCache, RaggedRow
+from hf_kvspec.speculative.drafters.features import FeatureCapture
 
 from .attention import ATTN_NAME
 from .scheduler import ScheduledRow
@@ -90,14 +92,20 @@ class ForwardRunner:
     def forward(self, rows: Sequence[ForwardRow]) -> torch.Tensor:  # [K, V]
         """Forward the rows (each ``reserve``d); their new K/V are written, uncommitted until the caller's
         ``cache.end_forward``. Returns the logits asked for by ``logits_at``, row by row."""
+        return self.forward_with_features(rows)[0]
+
+    def forward_with_features(self, rows: Sequence[ForwardRow], feature_layers: Sequence[int] | None = None):
+        """``forward``, also returning the target's features ``[T, F]`` of every packed column (the outputs of
+        ``feature_layers``, for drafters that read them; ``None`` without layers)."""
         input_ids, position_ids, logits_columns = self.pack(rows)
         self.cache.begin_forward([RaggedRow(r.seq_id, r.start, len(r.token_ids), r.new_token_mask) for r in rows],
                                  self.device)
+        capture = FeatureCapture(self.model, feature_layers) if feature_layers else contextlib.nullcontext()
         # no_grad, not inference_mode: pages made inside inference mode could not be copied (copy-on-write) outside it
-        with torch.no_grad(), ragged_attention_switched(self.model):
+        with torch.no_grad(), ragged_attention_switched(self.model), capture:
             out = self.model(input_ids=input_ids, position_ids=position_ids, cache=self.cache, use_cache=True,
                              logits_to_keep=logits_columns)
-        return out.logits[0]
+        return out.logits[0], capture.features()[0] if feature_layers else None
 
     def run(self, rows: Sequence[ScheduledRow]) -> torch.Tensor:  # [K, V]
         """A round's scheduled rows; logits of the rows that sample, in order."""

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from .request import FinishReason, Request
+from .request import FinishReason, Request, SamplingSettings
 
 
 def process_scores(request: Request, logits: torch.Tensor) -> torch.Tensor:  # [V] -> [1, V] fp32
@@ -29,15 +29,20 @@ def process_scores(request: Request, logits: torch.Tensor) -> torch.Tensor:  # [
     return scores
 
 
+def warpers(settings: SamplingSettings) -> list:
+    """The request's sampling warpers as transformers processors: temperature, then top-k, then top-p
+    (``generate``'s order); none for greedy decoding."""
+    if not settings.do_sample:
+        return []
+    out = [TemperatureLogitsWarper(settings.temperature)] if settings.temperature != 1.0 else []
+    out += [TopKLogitsWarper(settings.top_k)] if settings.top_k > 0 else []
+    return out + ([TopPLogitsWarper(settings.top_p)] if settings.top_p < 1.0 else [])
+
+
 def warped_probs(request: Request, scores: torch.Tensor) -> torch.Tensor:  # [1, V] -> [1, V]
-    """Sampling distribution: temperature, then top-k, then top-p (``generate``'s order)."""
-    settings = request.settings
-    if settings.temperature != 1.0:
-        scores = TemperatureLogitsWarper(settings.temperature)(None, scores)
-    if settings.top_k > 0:
-        scores = TopKLogitsWarper(settings.top_k)(None, scores)
-    if settings.top_p < 1.0:
-        scores = TopPLogitsWarper(settings.top_p)(None, scores)
+    """Sampling distribution: the warpers on the processed scores, then softmax."""
+    for warper in warpers(request.settings):
+        scores = warper(None, scores)
     return torch.softmax(scores, dim=-1)
 
 

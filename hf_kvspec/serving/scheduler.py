@@ -20,15 +20,22 @@ The rules of one round (``Scheduler.schedule``), with ``budget = max_tokens_per_
        (prompt + output so far; its full blocks are often still cached, so recompute is mostly prefix hits).
        If the requester itself is the lowest priority, it is the one preempted. Every request fits alone
        (``add_request`` refuses one that cannot), so preemption always makes progress.
+    5. Last, drafts (with an assistant): decode rows in policy order get ``policy.draft_tokens(request, budget
+       left)`` draft slots (at most ``request.draft_limit``), from free blocks only — drafts never preempt or
+       hold back a decode row, a prefill chunk or an admission. A crowded round grants later rows fewer drafts,
+       or none.
 Tokens of a round never exceed the budget; ``max_running <= max_tokens_per_round`` keeps every decode row in.
 
-Speculation seam: ``SchedulingPolicy.draft_tokens`` grants a decode row draft slots from the budget left after
-rule 1 (0 without an assistant); ``ScheduledRow.draft_tokens`` carries them to the runner.
+Speculation (rule 5): ``SchedulingPolicy.draft_tokens`` grants a decode row draft slots from the budget left
+after rules 1-3 (0 without an assistant: ``request.draft_limit`` is 0); ``ScheduledRow.draft_tokens`` carries
+them to the engine, which drafts at most that many tokens and verifies them in the row (``speculation.py``). Why
+last: a draft is a bet, every other token of the round is sure progress (a prefill chunk or an admission also
+shortens someone's time to first token); a round with budget to spare spends it on drafts.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from hf_kvspec.cache.block_pool import OutOfBlocksError
 from hf_kvspec.cache.ragged import RaggedPagedCache
@@ -52,8 +59,9 @@ class SchedulingPolicy:
         return max(candidates, key=lambda r: r.request_id)
 
     def draft_tokens(self, request: Request, budget_left: int) -> int:
-        """Draft slots for a decode row (speculation); none without an assistant."""
-        return 0
+        """Draft slots for a decode row: as many as it wants (``request.draft_limit``, 0 without an assistant)
+        while budget is left, in policy order."""
+        return min(request.draft_limit, budget_left)
 
 
 FifoPolicy = SchedulingPolicy
@@ -67,7 +75,7 @@ class ScheduledRow:
     start: int  # == request.num_computed when scheduled
     num_tokens: int
     samples: bool  # the run ends at the request's newest token: sample its next token
-    draft_tokens: int = 0  # speculation seam: draft tokens appended after the real ones (0 for now)
+    draft_tokens: int = 0  # draft slots granted (reserved, counted in the budget); at most this many are verified
 
 
 @dataclass
@@ -124,18 +132,35 @@ class Scheduler:
             if request.status is RequestStatus.RUNNING:  # not preempted earlier in this round
                 budget -= self._schedule_running(request, budget, plan)
         if not plan.preempted:
-            self._admit(plan, budget)
+            budget -= self._admit(plan, budget)
+        self._grant_drafts(plan, budget)
         return plan
+
+    def _grant_drafts(self, plan: RoundPlan, budget: int) -> int:
+        """Rule 3': draft slots for the decode rows, in policy order, from the budget and the free blocks only;
+        returns the slots granted."""
+        rank = {id(r): i for i, r in enumerate(self.policy.running_order(self.running))}
+        decode = [i for i, row in enumerate(plan.rows) if row.num_tokens == 1 and row.samples]
+        granted = 0
+        for index in sorted(decode, key=lambda i: rank[id(plan.rows[i].request)]):
+            row = plan.rows[index]
+            seq_id, end = row.request.request_id, row.start + 1
+            drafts = min(self.policy.draft_tokens(row.request, budget - granted), budget - granted)
+            while drafts > 0 and self.cache.blocks_to_grow(seq_id, end + drafts) > self.cache.num_free_blocks():
+                drafts -= 1
+            if drafts > 0:
+                self.cache.reserve(seq_id, end + drafts)
+                plan.rows[index] = replace(row, draft_tokens=drafts)
+                granted += drafts
+        return granted
 
     def _schedule_running(self, request: Request, budget: int, plan: RoundPlan) -> int:
         """Schedule a running request (rules 1, 2, 4); returns the tokens it takes from the budget."""
         num_tokens = min(request.num_uncomputed, budget)
         if not self._reserve(request, request.num_computed + num_tokens, plan):
             return 0
-        drafts = self.policy.draft_tokens(request, budget - num_tokens) if request.is_decoding else 0
-        plan.rows.append(ScheduledRow(request, request.num_computed, num_tokens,
-                                      num_tokens == request.num_uncomputed, drafts))
-        return num_tokens + drafts
+        plan.rows.append(ScheduledRow(request, request.num_computed, num_tokens, num_tokens == request.num_uncomputed))
+        return num_tokens
 
     def _reserve(self, request: Request, new_length: int, plan: RoundPlan) -> bool:
         """Reserve blocks, preempting lower-priority requests as needed (rule 4); False if it was preempted."""
@@ -167,8 +192,10 @@ class Scheduler:
                 return shared
         return self.cache.add_sequence(request.request_id, request.tokens, request.salt)
 
-    def _admit(self, plan: RoundPlan, budget: int) -> None:
-        """Rule 3: admit waiting requests while budget, ``max_running`` and free blocks allow."""
+    def _admit(self, plan: RoundPlan, budget: int) -> int:
+        """Rule 3: admit waiting requests while budget, ``max_running`` and free blocks allow; returns the
+        tokens they take."""
+        given = budget
         while budget > 0 and self.waiting and len(self.running) < self.max_running:
             request = self.policy.next_waiting(self.waiting)
             request.num_computed = self._attach(request)
@@ -177,7 +204,7 @@ class Scheduler:
             if self.cache.blocks_to_grow(request.request_id, new_length) > self.cache.num_free_blocks():
                 self.cache.release(request.request_id)
                 request.num_computed = 0
-                return
+                break
             self.cache.reserve(request.request_id, new_length)
             self.waiting.remove(request)
             self.running.append(request)
@@ -186,3 +213,4 @@ class Scheduler:
             plan.rows.append(ScheduledRow(request, request.num_computed, num_tokens,
                                           num_tokens == request.num_uncomputed))
             budget -= num_tokens
+        return given - budget

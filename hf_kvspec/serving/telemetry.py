@@ -28,6 +28,9 @@ class RoundStats:
     slot_utilization: float  # stored tokens / slots of the blocks in use
     preempted: int  # requests preempted while scheduling it
     seconds: float  # wall time of the forward and sampling
+    num_output_tokens: int = 0  # tokens appended to outputs (more than num_sampled when drafts are accepted)
+    num_draft_tokens: int = 0  # draft tokens verified in the forward (counted in num_tokens)
+    num_accepted: int = 0  # of which accepted
 
 
 @dataclass
@@ -38,6 +41,8 @@ class EngineStats:
     num_rounds: int = 0
     num_forward_tokens: int = 0
     num_output_tokens: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
     num_preemptions: int = 0
     prefix_queried_blocks: int = 0  # full prompt blocks looked up at admissions
     prefix_hit_blocks: int = 0  # of which served from the cache
@@ -46,7 +51,9 @@ class EngineStats:
         self.rounds.append(round_stats)
         self.num_rounds += 1
         self.num_forward_tokens += round_stats.num_tokens
-        self.num_output_tokens += round_stats.num_sampled
+        self.num_output_tokens += round_stats.num_output_tokens
+        self.num_draft_tokens += round_stats.num_draft_tokens
+        self.num_accepted_tokens += round_stats.num_accepted
         self.num_preemptions += round_stats.preempted
 
     def record_admission(self, queried_blocks: int, hit_blocks: int) -> None:
@@ -56,6 +63,16 @@ class EngineStats:
     @property
     def tokens_per_forward(self) -> float:
         return self.num_forward_tokens / self.num_rounds if self.num_rounds else 0.0
+
+    @property
+    def output_tokens_per_forward(self) -> float:
+        """Output tokens per round: up to the running requests' count without speculation, more with it."""
+        return self.num_output_tokens / self.num_rounds if self.num_rounds else 0.0
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        """Accepted / verified draft tokens over the engine's life (None: nothing drafted)."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -74,6 +91,9 @@ class EngineStats:
             "rounds": self.num_rounds,
             "tokens_per_forward": self.tokens_per_forward,
             "output_tokens": self.num_output_tokens,
+            "output_tokens_per_forward": self.output_tokens_per_forward,
+            "draft_tokens": self.num_draft_tokens,
+            "acceptance_rate": self.acceptance_rate,
             "preemptions": self.num_preemptions,
             "prefix_hit_rate": self.prefix_hit_rate,
             "mean_block_utilization": self.mean_block_utilization,

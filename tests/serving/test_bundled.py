@@ -54,3 +54,39 @@ def test_cli_batch_end_to_end(bundled, tmp_path, capsys):
     assert [r["id"] for r in results] == [1, 2, "sampled"]
     assert len(results[1]["output_ids"]) <= 5 and all(r["output"] for r in results)
     assert "3 requests" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("assistant", ["eagle", "ngram"])
+def test_speculating_engine_equals_generate_on_the_bundled_model(bundled, assistant):
+    """The bundled EAGLE head (trees, features captured on the packed forward) and n-gram (chains) inside the
+    engine: every chat request's output is its own greedy ``generate``, drafts are accepted."""
+    model, tokenizer = bundled
+    chats = [[{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}] for q in QUESTIONS]
+    engine = Engine(model, tokenizer, kv_budget="64MB", max_tokens_per_round=64, max_running=4, assistant=assistant)
+    first = engine.add_request(chats[0], max_new_tokens=32)
+    engine.step()
+    ids = [first] + [engine.add_request(chat, max_new_tokens=32) for chat in chats[1:]]
+    while engine.has_unfinished():
+        engine.step()
+    outputs = [engine.get_output(i) for i in ids]
+    for out in outputs:
+        prompt = torch.tensor([out.prompt_ids])
+        expected = model.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
+                                  max_new_tokens=32)[0, prompt.shape[1]:].tolist()
+        assert out.output_ids == expected, tokenizer.decode(out.prompt_ids)
+    assert engine.stats.num_accepted_tokens > 0 and all(out.metrics.tau is not None for out in outputs)
+    assert max(r.num_tokens for r in engine.stats.rounds) <= 64
+    assert engine.cache.num_free_blocks() == engine.cache.num_total_blocks()
+
+
+@pytest.mark.slow
+def test_cli_batch_with_an_assistant(bundled, tmp_path, capsys):
+    source = tmp_path / "prompts.jsonl"
+    source.write_text("\n".join(json.dumps({"prompt": q}) for q in QUESTIONS[:2]))
+    out = tmp_path / "results.jsonl"
+    assert main(["batch", str(source), "--out", str(out), "--max-new-tokens", "12", "--threads", "1",
+                 "--no-progress", "--assistant", "eagle", "--num-draft-tokens", "6"]) == 0
+    results = [json.loads(line) for line in out.read_text().splitlines()]
+    assert all(r["tau"] is not None and r["output"] for r in results)
+    assert "speculation (eagle)" in capsys.readouterr().out

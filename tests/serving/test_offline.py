@@ -96,3 +96,18 @@ def test_malformed_lines_name_the_line(tmp_path, line, fragment):
     with pytest.raises(ValueError, match=fragment) as err:
         read_requests(source)
     assert "p.jsonl:2" in str(err.value)
+
+
+@pytest.mark.parametrize("flags, fragment", [
+    (["--assistant", "early_exit"], "self-speculation"),
+    (["--assistant", "nonsense"], "Unknown assistant"),
+    (["--num-draft-tokens", "4"], "add --assistant"),
+])
+def test_batch_assistant_flags_are_checked_before_the_model_loads(tmp_path, capsys, flags, fragment):
+    from hf_kvspec.cli import main
+
+    source = tmp_path / "prompts.jsonl"
+    source.write_text(json.dumps({"prompt": "hi"}) + "\n")
+    with pytest.raises(SystemExit):
+        main(["batch", str(source), "--out", str(tmp_path / "out.jsonl"), *flags])
+    assert fragment in capsys.readouterr().err

@@ -18,7 +18,7 @@ from hf_kvspec.cli import main
 from hf_kvspec.serving.engine import Engine
 from tests.tiny_models import tiny_model
 
-from .server_harness import RunningServer, greedy_ids, tiny_tokenizer
+from .server_harness import RunningServer, greedy_ids, no_leaks, tiny_tokenizer
 from .test_server_faults import free_port, wait_healthy
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
@@ -39,14 +39,15 @@ def test_bad_serve_arguments_exit_2_naming_the_fix(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
-def test_assistant_is_refused_by_name_until_the_engine_speculates(capsys):
-    import inspect
-
-    if "assistant" in inspect.signature(Engine).parameters:
-        pytest.skip("this Engine speculates: --assistant is passed through")
-    with pytest.raises(SystemExit):
-        main(["serve", "m", "--assistant", "ngram"])
-    assert "no speculative decoding inside it yet" in capsys.readouterr().err
+def test_a_speculating_engine_serves_greedy_output_equal_to_generate():
+    """The server on an engine with an n-gram assistant: the same greedy tokens as ``generate``, blocks freed."""
+    model, tokenizer = tiny_model("llama"), tiny_tokenizer()
+    engine = Engine(model, tokenizer, kv_budget=64, block_size=4, max_tokens_per_round=32, max_running=8,
+                    assistant="ngram")
+    prompt = "t7 t19 t7 t19 t7 t19 t7 t19 t7"  # repetitive: the n-gram lookup drafts
+    with RunningServer(engine) as server, no_leaks(server):
+        response = server.client().completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0)
+    assert response.kvspec["choices"][0]["token_ids"] == greedy_ids(model, tokenizer(prompt)["input_ids"], 12)
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from hf_kvspec.serving.engine import Engine
 from hf_kvspec.serving.request import FinishReason
+from hf_kvspec.speculative.drafters.draft_model import DraftModelAssistant
 from tests.tiny_models import tiny_model
 
 from .helpers import assert_pool_full, greedy_reference, random_prompts, run_to_end
@@ -94,3 +95,17 @@ class EngineMachine(RuleBasedStateMachine):
 
 EngineMachine.TestCase.settings = settings(max_examples=30, stateful_step_count=25, deadline=None)
 TestEngineMachine = EngineMachine.TestCase
+
+
+class SpeculatingEngineMachine(EngineMachine):
+    """The same machine with an always-right draft model: drafts take the rounds' spare budget and blocks, and
+    every verify row is rolled back to its accepted path before the invariants are checked."""
+
+    def __init__(self):
+        super().__init__()
+        self.engine = Engine(model(), kv_budget=12, block_size=4, max_tokens_per_round=6, max_running=3,
+                             assistant=DraftModelAssistant(model(), num_draft_tokens=3))
+
+
+SpeculatingEngineMachine.TestCase.settings = settings(max_examples=15, stateful_step_count=25, deadline=None)
+TestSpeculatingEngineMachine = SpeculatingEngineMachine.TestCase

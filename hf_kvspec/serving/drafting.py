@@ -1,0 +1,175 @@
+"""Drafting inside the serving engine: every decoding request has its own drafter session, a private copy of the
+engine's assistant begun on that request alone (a one-row ``DraftContext``).
+
+Boundary: adapts the speculative package's ``Assistant`` protocol — made for one rectangular ``generate`` call —
+to requests that join, leave and are recomputed between rounds. It owns the sessions and the target features
+gathered for them; verification is ``speculation.py``'s, the forward ``runner.py``'s, K/V ``RaggedPagedCache``'s.
+
+Why one session per request rather than one batched context rebuilt every round:
+    - exact under joins, leaves and preemption by construction: a session begins when the request's prefill
+      ends, from that request's own tokens and the target features of its own packed columns, and is dropped
+      when the request finishes, is cancelled or preempted (a recompute begins a new session when its new
+      prefill ends). Nothing of one request's drafter state can leak into another's.
+    - the assistants keep per-call state aligned with one rectangular buffer (EAGLE's draft-layer cache column
+      by column, a draft model's cache, Medusa's newest feature). With rows of different lengths arriving at
+      any round, a batched context would have to re-align or re-prefill every drafter's state whenever the set
+      of rows changes; a one-row buffer per request never needs either.
+    - the price is one ``propose`` per drafting request per round instead of one batched call. Measured on the
+      bundled model, 1 thread, 8 requests (docs/engine.md, "Speculation"): n-gram ~0.3 ms per request per round,
+      the bundled EAGLE head ~31 ms (one head forward per tree level), against ~300-500 ms for the round's
+      forward. Batching the heads' forwards across sessions is the next step for tree drafters.
+Assistants keep their per-call state in attributes set by ``begin``; a session takes a shallow copy (models and
+heads shared, state its own). The engine sizes drafts from its token budget, so a copy's ``"auto"`` draft-length
+tuner is switched off (``auto = None``): it measures one ``generate`` call's rows, not a shared round.
+
+Features (assistants with ``wants_hidden_states``): the runner captures the target's features on the packed
+forward (``FeatureCapture``) and each request gets its own columns. Until its session begins they are gathered
+(prefill chunks); the session begins with them; afterwards each round's ``observe`` gets the columns of the
+root and the accepted path. Columns a request never fed (a prefix-cache hit) have no features: EAGLE takes zeros
+for them, which stays exact (only fewer drafts are accepted).
+
+Shapes: ``L`` tokens of a request, ``N`` draft tokens, ``F`` feature width, ``C`` gathered feature columns.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from hf_kvspec.speculative.buffer import TokenBuffer
+from hf_kvspec.speculative.drafters.base import Assistant, DraftContext, DraftProposal, RoundOutcome
+from hf_kvspec.speculative.positions import History, PositionwiseProcessor
+from hf_kvspec.speculative.rounds import cap_depth
+
+from .request import Request
+
+#: drafts per request per round when the assistant's own size is ``"auto"`` and the engine is given none
+AUTO_DRAFT_TOKENS = 8
+
+
+def resolve_assistant(assistant, model):
+    """An ``Assistant``, or a spec string: ``ngram``, ``draft:...``, ``early_exit`` ... (``make_assistant``) or
+    ``medusa`` / ``eagle`` (the bundled heads, ``make_head_assistant``)."""
+    if not isinstance(assistant, str):
+        return assistant
+    from hf_kvspec.speculative.assistants import HEAD_ASSISTANTS, make_assistant, make_head_assistant
+
+    if assistant in HEAD_ASSISTANTS:
+        return make_head_assistant(assistant, model)
+    return make_assistant(assistant, model)
+
+
+def check_assistant(assistant: Assistant, sliding: bool) -> None:
+    """Refuse, by name, what the engine cannot run exactly with per-request sessions."""
+    if not isinstance(assistant, Assistant):
+        raise TypeError(f"assistant must be an hf_kvspec Assistant or a spec string, got {type(assistant).__name__}.")
+    name = type(assistant).__name__
+    if assistant.shares_target_cache or assistant.runs_verify_forward:
+        raise ValueError(f"{name} drafts with the target's own cache (self-speculation); the engine's paged cache "
+                         "is shared by all requests. Use ngram, a draft model, medusa or eagle.")
+    if assistant.acceptance != "exact":
+        raise ValueError(f"{name}(acceptance={assistant.acceptance!r}) is lossy; the engine verifies exactly. "
+                         "Build the assistant with acceptance='exact'.")
+    if assistant.proposes_trees and sliding:
+        raise ValueError(f"{name} drafts trees, and this model has sliding-window layers, where the engine's "
+                         "attention takes no tree mask; use a chain drafter (ngram, a draft model).")
+
+
+class DraftSession:
+    """One request's drafter: a private copy of the engine's assistant, begun on the request's tokens."""
+
+    def __init__(self, template: Assistant, target, tokens: list[int], features: torch.Tensor | None,
+                 pad_token_id: int):
+        self.assistant = copy.copy(template)
+        self.assistant.auto = None  # the engine's budget sizes the drafts (module docstring)
+        self.device, self.pad_token_id = target.device, pad_token_id
+        self.assistant.begin(target, self._buffer(tokens), target_hidden=features)  # features [1, C, F] | None
+
+    def _buffer(self, tokens: list[int]) -> TokenBuffer:
+        # [1, L]: every column real, the last one (the newest token) not yet in the target's cache
+        return TokenBuffer(torch.tensor([tokens], device=self.device), None, self.pad_token_id)
+
+    def propose(self, request: Request, count: int, max_depth: int,
+                processor: PositionwiseProcessor) -> DraftProposal:
+        """At most ``count`` drafts ``[1, N]`` (a chain or a tree), no path deeper than ``max_depth``."""
+        buffer = self._buffer(request.tokens)
+        history = History(buffer.tokens, buffer.width + count + 1, self.pad_token_id)
+        alive = torch.ones(1, dtype=torch.bool, device=self.device)
+        ctx = DraftContext(buffer, history, count, request.settings.do_sample, alive, processor, max_depth=max_depth)
+        return first_nodes(cap_depth(self.assistant.propose(ctx), max_depth), count)
+
+    def observe(self, kept_width: int, num_accepted: int, num_draft: int, path_features: torch.Tensor | None,
+                accepted_nodes: torch.Tensor) -> None:
+        """The round's verdict: the target now holds ``kept_width`` tokens of the request; ``path_features``
+        ``[1, 1 + num_accepted, F]`` are the root's and the accepted path's."""
+        accepted = torch.tensor([num_accepted], device=self.device)
+        alive = torch.ones(1, dtype=torch.bool, device=self.device)
+        self.assistant.observe(RoundOutcome(kept_width, accepted, alive, num_draft, 0.0, 0.0, path_features,
+                                            accepted_nodes=accepted_nodes))
+
+    def end(self) -> None:
+        self.assistant.end()
+
+
+def first_nodes(proposal: DraftProposal, count: int) -> DraftProposal:
+    """``proposal`` cut to its first ``count`` nodes (a prefix of a topological node list is a tree)."""
+    if proposal.tokens.shape[1] <= count:
+        return proposal
+    probs, parents = proposal.probs, proposal.parents
+    return DraftProposal(proposal.tokens[:, :count], None if probs is None else probs[:, :count],
+                         None if parents is None else parents[..., :count], proposal.draft_forwards)
+
+
+class Drafters:
+    """The engine's drafter sessions, one per decoding request, and the features gathered before each begins."""
+
+    def __init__(self, assistant: Assistant, target, num_draft_tokens: int | None, pad_token_id: int):
+        own = assistant.num_draft_tokens
+        size = num_draft_tokens if num_draft_tokens is not None else (
+            own if isinstance(own, int) else min(AUTO_DRAFT_TOKENS, assistant.max_draft_tokens))
+        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+            raise ValueError(f"num_draft_tokens must be a non-negative int, got {size!r}.")
+        self.assistant, self.target, self.num_draft_tokens = assistant, target, size
+        self.pad_token_id = pad_token_id
+        self.feature_layers = tuple(assistant.feature_layers) if assistant.wants_hidden_states else None
+        self.sessions: dict[int, DraftSession] = {}
+        self._gathered: dict[int, list[torch.Tensor]] = {}  # request id -> feature columns [n, F] each
+
+    def has_session(self, request: Request) -> bool:
+        return request.request_id in self.sessions
+
+    def draft_limit(self, request: Request) -> int:
+        """Drafts ``request`` would verify next round: 0 without a session or when its next token is its last
+        (a path of ``room - 1`` drafts plus the next token fills the tokens left)."""
+        room = request.settings.max_new_tokens - len(request.output_ids)
+        if not self.has_session(request) or room <= 1:
+            return 0
+        return self.num_draft_tokens if self.assistant.proposes_trees else min(self.num_draft_tokens, room - 1)
+
+    def max_depth(self, request: Request) -> int:
+        return request.settings.max_new_tokens - len(request.output_ids) - 1
+
+    def gather(self, request: Request, features: torch.Tensor | None) -> None:
+        """Features ``[n, F]`` of columns ``request`` fed while it has no session."""
+        if self.feature_layers is not None and features is not None:
+            self._gathered.setdefault(request.request_id, []).append(features.clone())
+
+    def start(self, request: Request) -> None:
+        """Begin ``request``'s session on its tokens (its prefill, or a plain decode step, has just ended)."""
+        stale = self.sessions.pop(request.request_id, None)
+        if stale is not None:  # a recompute whose preemption bypassed the engine (Scheduler.preempt)
+            stale.end()
+        gathered = self._gathered.pop(request.request_id, [])
+        features = torch.cat(gathered)[None] if self.feature_layers is not None and gathered else None
+        if self.feature_layers is not None and features is None:
+            return  # a feature drafter needs at least the newest column's feature: begin after the next forward
+        self.sessions[request.request_id] = DraftSession(self.assistant, self.target, request.tokens, features,
+                                                         self.pad_token_id)
+
+    def drop(self, request: Request) -> None:
+        """``request`` finished, was cancelled or preempted, or its session broke: forget its drafter state."""
+        self._gathered.pop(request.request_id, None)
+        session = self.sessions.pop(request.request_id, None)
+        if session is not None:
+            session.end()

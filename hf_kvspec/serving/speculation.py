@@ -1,0 +1,101 @@
+"""Speculative rows of the serving engine: one request's newest token and its drafts, verified in the round's
+packed forward beside everyone else's rows, then accepted and rolled back for that request alone.
+
+Boundary: the tensor work of one request's verify row — its ``ForwardRow`` (tree positions and mask among the new
+tokens), its processed scores at every node, acceptance, and what its K/V keep. It reuses the speculative package
+unchanged: ``rounds.plan_round`` (chain or tree scores, each node processed after its own path),
+``tree.CandidateTree`` (mask, positions), ``tree.keep_indices`` (the kept columns) and ``verify.py``'s
+``greedy_verify`` / ``rejection_verify``. Who drafts is ``drafting.py``'s; committing and stopping are the
+engine's.
+
+A verify row of request r (tokens ``t_0 .. t_{L-1}``, the cache holding the first ``L - 1``)::
+
+    token_ids  [t_{L-1} | d_0 .. d_{N-1}]      the root (newest token), then the drafts in node order
+    positions  [L - 1   | L - 1 + depth(n)]    a chain: L - 1 .. L - 1 + N
+    mask       among the new tokens: a node sees the root, its ancestors and itself (None for a chain: causal)
+    logits     at every new token: row 0 scores the root's children, row n + 1 the children of node n
+
+Acceptance (``Leviathan et al. 2211.17192``; trees as in SpecInfer ``2305.09781``): greedy keeps the deepest path
+equal to the target's argmax; sampling runs speculative sampling with the request's own generator, point-mass
+drafts when the drafter returns no probabilities. Either way the row emits ``accepted + 1`` tokens, exactly the
+target's (greedy) or distributed as the target's (sampling). Roll back: the root and the accepted path stay
+(``RaggedPagedCache.truncate`` for a chain or a path that is a prefix, ``keep_new_tokens`` otherwise).
+
+Shapes: ``N`` drafts · ``V`` vocabulary · ``F`` feature width · ``k`` accepted drafts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from hf_kvspec.speculative.drafters.base import DraftProposal
+from hf_kvspec.speculative.positions import History, PositionwiseProcessor
+from hf_kvspec.speculative.rounds import plan_round
+from hf_kvspec.speculative.tree import keep_indices
+from hf_kvspec.speculative.verify import greedy_verify, rejection_verify
+
+from .request import Request
+from .runner import ForwardRow
+from .sampling import warpers
+
+
+def request_processor(request: Request) -> PositionwiseProcessor:
+    """The request's logits processors, then (sampling) its warpers: ``softmax`` of the processed scores is the
+    distribution its plain decode step samples from (``sampling.py``)."""
+    return PositionwiseProcessor([*request.settings.logits_processor, *warpers(request.settings)])
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What a verify row keeps."""
+
+    tokens: list[int]  # accepted drafts, then the next token (the request's new output, before stop checks)
+    num_accepted: int  # k
+    num_draft: int  # N
+    kept: list[int]  # offsets among the row's new tokens that stay in the cache: the root (0) and the path
+    accepted_nodes: torch.Tensor  # [1, k] node index of each accepted draft, in path order
+
+
+class VerifyRow:
+    """One request's root and drafts (``proposal`` ``[1, N]``, ``N`` may be 0) in the round's packed forward."""
+
+    def __init__(self, request: Request, proposal: DraftProposal):
+        self.request, self.proposal = request, proposal
+        self.round = plan_round(proposal)  # ChainRound or TreeRound: scores and the tree tensors
+        self.num_draft = proposal.tokens.shape[1]
+        self.processor = request_processor(request)
+
+    def forward_row(self) -> ForwardRow:
+        """The packed row: root + drafts, tree positions and mask, logits at every new token."""
+        request, count = self.request, self.num_draft + 1
+        start = request.num_computed
+        tokens = [request.tokens[-1], *self.proposal.tokens[0].tolist()]
+        positions, mask = None, None  # a chain: consecutive positions, causal
+        if self.round.is_tree:
+            tree = self.round.tree
+            root = torch.tensor([start], device=tree.tokens.device)
+            positions = tree.position_ids(root)[0].tolist()
+            mask = tree.attention_mask(tree.tokens.new_ones(1, 0))[0, 0]  # [1 + N, 1 + N] bool
+        return ForwardRow(request.request_id, tokens, start, positions, mask, tuple(range(count)))
+
+    def accept(self, logits: torch.Tensor) -> Verdict:
+        """Verify the drafts against the row's logits ``[1 + N, V]``."""
+        request = self.request
+        history = History(torch.tensor([request.tokens], device=logits.device), request.num_tokens + self.num_draft + 1,
+                          0)
+        scores = self.round.scores(self.processor, history, logits[None])  # [1, 1 + N, V] fp32
+        draft_tokens = self.proposal.tokens.to(scores.device)
+        if request.settings.do_sample:  # the request's generator is a CPU one on every device
+            probs = torch.softmax(scores, dim=-1).cpu()
+            draft_probs = None if self.proposal.probs is None else self.proposal.probs.cpu()
+            parents = None if self.proposal.parents is None else self.proposal.parents.cpu()
+            result = rejection_verify(draft_tokens.cpu(), probs, draft_probs, parents, request.generator)
+        else:
+            result = greedy_verify(draft_tokens, scores.argmax(dim=-1), self.proposal.parents)
+        k = int(result.num_accepted[0])
+        nodes = result.accepted_nodes[:, :k]  # [1, k]
+        accepted = result.accepted_tokens(draft_tokens.to(nodes.device))[0, :k].tolist()
+        kept = keep_indices(nodes)[0].tolist()
+        return Verdict([*accepted, int(result.next_tokens[0])], k, self.num_draft, kept, nodes)
