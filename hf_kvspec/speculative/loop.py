@@ -30,6 +30,7 @@ from hf_kvspec import _compat
 from hf_kvspec.speculative.buffer import TokenBuffer
 from hf_kvspec.speculative.drafters.base import Assistant, DraftContext, DraftProposal, RoundOutcome
 from hf_kvspec.speculative.drafters.features import FeatureCapture
+from hf_kvspec.speculative.in_use import exclusive_use
 from hf_kvspec.speculative.output import CallOutput, SpeculativeGenerateOutput
 from hf_kvspec.speculative.positions import History, PositionwiseProcessor, PositionwiseStopper
 from hf_kvspec.speculative.preflight import (
@@ -119,6 +120,12 @@ class SpeculativeDecoder:
 
     # ------------------------------------------------------------------------------------------ driver
     def run(self, input_ids: torch.Tensor, model_kwargs: dict):
+        """The whole call, holding the assistant for its duration: another call that runs the same instance at the
+        same time is refused (``in_use.py``)."""
+        with exclusive_use(self.assistant):
+            return self._run(input_ids, model_kwargs)
+
+    def _run(self, input_ids: torch.Tensor, model_kwargs: dict):
         check_kwargs(model_kwargs)
         self.cache = model_kwargs.get("cache")
         batch, prompt_len = input_ids.shape
