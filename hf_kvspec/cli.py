@@ -171,10 +171,6 @@ def _check_generate(parser, args) -> None:
         problem = _head_problem(args) if heads else _assistant_problem(args.assistant)
         if problem:
             parser.error(f"--assistant: {problem}")
-        if heads and args.cache in ("int8", "fp8") and args.tree != "chain":
-            parser.error(f"--cache {args.cache} keeps no full-precision window here (every token is stored as "
-                         f"{args.cache} at once), so it cannot keep a tree's accepted path; add --tree chain, or "
-                         "use --cache dynamic, paged or kivi4 (its 128-token window holds the tree).")
     if not heads:
         given = [flag for flag, on in (("--tree", args.tree is not None),
                                        ("--draft-vocab-size", args.draft_vocab_size is not None)) if on]

@@ -119,16 +119,12 @@ def test_help_does_not_import_torch(code):
 
 @pytest.mark.parametrize("cache", ["int8", "fp8"])
 @pytest.mark.parametrize("assistant", ["medusa", "eagle"])
-def test_tree_assistant_on_a_windowless_quantized_cache_is_refused_with_cli_advice(monkeypatch, capsys, cache,
-                                                                                   assistant):
-    """The library's refusal names residual_length, which `generate` has no flag for: the CLI says what to type."""
-    import hf_kvspec.models
+def test_tree_assistants_on_per_token_quantized_caches_pass_the_checks(cache, assistant):
+    """int8/fp8 keep a tree's accepted path among their per-token codes (#29 item 2): no refusal any more."""
+    from hf_kvspec.cli import build_parser
 
-    monkeypatch.setattr(hf_kvspec.models, "load_bundled_model", lambda *a, **k: pytest.fail("model loaded"))
-    with pytest.raises(SystemExit) as exit_info:
-        main(["generate", "hi", "--cache", cache, "--assistant", assistant])
-    err = capsys.readouterr().err
-    assert exit_info.value.code == 2 and "--tree chain" in err and "residual_length" not in err
+    args = build_parser().parse_args(["generate", "hi", "--cache", cache, "--assistant", assistant])
+    args.check(args)  # no SystemExit
 
 
 def test_tree_chain_on_int8_passes_the_checks():
