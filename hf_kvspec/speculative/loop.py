@@ -70,11 +70,7 @@ def speculative_generate(model, input_ids, logits_processor, stopping_criteria, 
     call and thread (a ``TorchFunctionMode``); the model's modules are never changed. ``False`` keeps torch's stock
     kernels (the reference) and never imports ``hf_kvspec.kernels``; ``True`` asks for them wherever they apply.
     """
-    if assistant is None:
-        raise ValueError("speculative_generate needs an assistant: generate(..., custom_generate="
-                         "hf_kvspec.speculative_generate, assistant=hf_kvspec.NgramAssistant()) or a "
-                         "DraftModelAssistant(draft_model).")
-    check_entry(logits_processor, stopping_criteria, generation_config)
+    check_entry(assistant, logits_processor, stopping_criteria, generation_config)
     if synced_gpus:
         raise NotImplementedError("speculative_generate does not support synced_gpus (DeepSpeed ZeRO-3 / FSDP).")
     decoder = SpeculativeDecoder(model, assistant, logits_processor, stopping_criteria, generation_config,

@@ -18,8 +18,13 @@ from hf_kvspec.speculative.rounds import check_tree_attention
 HANDLED_KWARGS = {"attention_mask", "position_ids", "cache", "use_cache", "logits_to_keep"}
 
 
-def check_entry(logits_processor, stopping_criteria, generation_config) -> None:
-    """``speculative_generate`` is ``generate``'s decoding loop: ``generate`` builds these three arguments."""
+def check_entry(assistant, logits_processor, stopping_criteria, generation_config) -> None:
+    """``speculative_generate`` is ``generate``'s decoding loop: it needs an assistant, and ``generate`` builds the
+    other three arguments."""
+    if assistant is None:
+        raise ValueError("speculative_generate needs an assistant: generate(..., custom_generate="
+                         "hf_kvspec.speculative_generate, assistant=hf_kvspec.NgramAssistant()) or a "
+                         "DraftModelAssistant(draft_model).")
     missing = [name for name, value in (("logits_processor", logits_processor), ("stopping_criteria",
                stopping_criteria), ("generation_config", generation_config)) if value is None]
     if missing:
