@@ -171,10 +171,6 @@ def _check_generate(parser, args) -> None:
         problem = _head_problem(args) if heads else _assistant_problem(args.assistant)
         if problem:
             parser.error(f"--assistant: {problem}")
-        if heads and args.cache in ("int8", "fp8") and args.tree != "chain":
-            parser.error(f"--cache {args.cache} keeps no full-precision window here (every token is stored as "
-                         f"{args.cache} at once), so it cannot keep a tree's accepted path; add --tree chain, or "
-                         "use --cache dynamic, paged or kivi4 (its 128-token window holds the tree).")
     if not heads:
         given = [flag for flag, on in (("--tree", args.tree is not None),
                                        ("--draft-vocab-size", args.draft_vocab_size is not None)) if on]
@@ -230,15 +226,16 @@ def _run_generate(args) -> None:
     model, tokenizer = load_bundled_model(args.model)
     inputs = _prompt_ids(tokenizer, args.prompt, chat=not args.no_chat)
     enable_cache_attention(args.cache, model)  # e.g. kivi4 attends on its codes instead of dequantizing per step
-    cache = make_cache(args.cache, model.config, max_tokens=inputs["input_ids"].shape[1] + args.max_new_tokens)
+    speculative = _speculative_kwargs(args, model)
+    tokens = cache_tokens(inputs["input_ids"].shape[1], args.max_new_tokens, speculative.get("assistant"))
+    cache = make_cache(args.cache, model.config, max_tokens=tokens)
     sampling = {"do_sample": True, "temperature": args.temperature} if args.temperature > 0 else {"do_sample": False}
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
-    speculative = _speculative_kwargs(args, model)
     _calibrate_kernels(model, speculative)
     plain = None
     if args.compare_plain:  # first, so both runs find the model warm
         print("plain decoding (reference, not shown) ...", flush=True)
-        fresh = make_cache(args.cache, model.config, max_tokens=inputs["input_ids"].shape[1] + args.max_new_tokens)
+        fresh = make_cache(args.cache, model.config, max_tokens=tokens)
         plain = _timed(model, inputs, fresh, args.max_new_tokens, sampling, {})
     out, elapsed = _timed(model, inputs, cache, args.max_new_tokens, sampling, speculative, streamer=streamer)
     new_tokens = out.sequences.shape[1] - inputs["input_ids"].shape[1]
@@ -247,6 +244,14 @@ def _run_generate(args) -> None:
     if plain is not None:
         _print_comparison(args.assistant, out, elapsed, *plain, inputs["input_ids"].shape[1],
                           greedy=not sampling["do_sample"])
+
+
+def cache_tokens(prompt_len: int, max_new_tokens: int, assistant=None) -> int:
+    """Positions a row's cache must hold at once (what sizes ``--cache paged``'s pool): the prompt and the answer,
+    plus, for an assistant that verifies trees, a last round's whole tree (the loop cuts a tree's depth near
+    ``max_new_tokens``, not its width: ``max_draft_tokens`` nodes after up to ``max_length - 1`` committed tokens)."""
+    extra = assistant.max_draft_tokens if assistant is not None and assistant.proposes_trees else 0
+    return prompt_len + max_new_tokens + extra
 
 
 def _calibrate_kernels(model, speculative: dict) -> None:

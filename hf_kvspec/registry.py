@@ -29,6 +29,11 @@ def register() -> None:
 
 
 def unregister() -> None:
-    """Undo ``register()``; safe to call when nothing is registered."""
+    """Undo ``register()``; safe to call when nothing is registered. A model still switched to one of the attention
+    implementations by an active ``enable_*`` handle is switched back first (its handle removed, with a warning), so
+    no model is left running a name that is gone."""
+    from hf_kvspec.attention.patch import restore_switched_models
+
+    restore_switched_models("hf_kvspec.unregister()")
     for module, _, unregister_fn in reversed(_REGISTRARS):
         _call(module, unregister_fn)

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from hf_kvspec.cli import main
 
@@ -119,16 +120,12 @@ def test_help_does_not_import_torch(code):
 
 @pytest.mark.parametrize("cache", ["int8", "fp8"])
 @pytest.mark.parametrize("assistant", ["medusa", "eagle"])
-def test_tree_assistant_on_a_windowless_quantized_cache_is_refused_with_cli_advice(monkeypatch, capsys, cache,
-                                                                                   assistant):
-    """The library's refusal names residual_length, which `generate` has no flag for: the CLI says what to type."""
-    import hf_kvspec.models
+def test_tree_assistants_on_per_token_quantized_caches_pass_the_checks(cache, assistant):
+    """int8/fp8 keep a tree's accepted path among their per-token codes (#29 item 2): no refusal any more."""
+    from hf_kvspec.cli import build_parser
 
-    monkeypatch.setattr(hf_kvspec.models, "load_bundled_model", lambda *a, **k: pytest.fail("model loaded"))
-    with pytest.raises(SystemExit) as exit_info:
-        main(["generate", "hi", "--cache", cache, "--assistant", assistant])
-    err = capsys.readouterr().err
-    assert exit_info.value.code == 2 and "--tree chain" in err and "residual_length" not in err
+    args = build_parser().parse_args(["generate", "hi", "--cache", cache, "--assistant", assistant])
+    args.check(args)  # no SystemExit
 
 
 def test_tree_chain_on_int8_passes_the_checks():
@@ -136,3 +133,37 @@ def test_tree_chain_on_int8_passes_the_checks():
 
     args = build_parser().parse_args(["generate", "hi", "--cache", "int8", "--assistant", "medusa", "--tree", "chain"])
     args.check(args)  # no SystemExit
+
+
+def _paged_tree_run(max_tokens):
+    """A tiny Llama with a 26-node Medusa tree on the paged pool `make_cache` sizes for ``max_tokens``."""
+    import hf_kvspec
+    from hf_kvspec.cache.factory import make_cache
+    from hf_kvspec.heads.configuration import MedusaConfig
+    from hf_kvspec.heads.modeling_medusa import MedusaHeads
+    from tests.tiny_models import tiny_model
+
+    model = tiny_model("llama")
+    torch.manual_seed(0)
+    heads = MedusaHeads(MedusaConfig.for_base_model(model, "tiny", num_heads=4))
+    assistant = hf_kvspec.MedusaAssistant(heads, tree="default", num_draft_tokens=None, draft_vocab_size=None)
+    ids = torch.randint(3, 90, (1, 16), generator=torch.Generator().manual_seed(1))
+    kwargs = dict(attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=16, pad_token_id=0)
+    plain = model.generate(ids, **kwargs)
+    cache = make_cache("paged", model.config, max_tokens=max_tokens(assistant))
+    out = model.generate(ids, cache=cache, custom_generate=hf_kvspec.speculative_generate, assistant=assistant,
+                         **kwargs)
+    return out, plain
+
+
+def test_the_paged_pool_is_sized_for_a_tree_round():
+    """#29 item 7: a pool for prompt + answer (+ one spare block) cannot hold the last round's 26-node tree;
+    ``cache_tokens`` adds the tree's width, and the run is then token-identical to plain decoding."""
+    from hf_kvspec.cache.block_pool import OutOfBlocksError
+    from hf_kvspec.cli import cache_tokens
+
+    with pytest.raises(OutOfBlocksError):  # the old sizing: 2 + 1 blocks of 16 for 16 + 16 tokens
+        _paged_tree_run(lambda assistant: 16 + 16)
+    out, plain = _paged_tree_run(lambda assistant: cache_tokens(16, 16, assistant))
+    assert torch.equal(out, plain)
+    assert cache_tokens(16, 16, None) == 32  # plain decoding and chains: no extra room

@@ -100,10 +100,31 @@ def switch_attention(model, name: str) -> AttentionPatch:
         raise ValueError(f"{type(model).__name__} cannot switch attention implementation after loading; load it "
                          f"with attn_implementation={name!r} after hf_kvspec.register().")
 
+    model_ref = weakref.ref(model)  # the record must not keep a forgotten model alive (its key is weak)
+
     def undo() -> None:
-        _active_switches.pop(model, None)
-        model.set_attn_implementation(previous)
+        switched = model_ref()
+        if switched is not None:
+            _active_switches.pop(switched, None)
+            switched.set_attn_implementation(previous)
 
     patch = AttentionPatch(name, undo, f"previous={previous!r}")
     _active_switches[model] = patch
     return patch
+
+
+
+def restore_switched_models(action: str) -> None:
+    """Before ``action`` (unregistering the attention functions): switch every model that still runs one back to
+    what it ran before, removing its handle (its next forward would otherwise look up a name that is gone), and
+    say so in a warning naming the models."""
+    import warnings
+
+    active = [(model, patch) for model, patch in list(_active_switches.items()) if patch.active]
+    for _, patch in active:
+        patch.remove()
+    if active:
+        names = ", ".join(f"{type(model).__name__} ({patch.name!r} -> {patch.details})" for model, patch in active)
+        warnings.warn(f"{action} switched {len(active)} model(s) back from hf_kvspec's attention: {names}; their "
+                      "enable_*() handles are removed. Call .remove() on a handle first to choose when.", UserWarning,
+                      stacklevel=3)

@@ -27,7 +27,7 @@ C4  **Keep positions.** ``keep_positions(start, indices, layers=None)``: ``indic
     the caller masks those holes, as the chain loop does. Shared storage is never written (paged: copy-on-write).
 C5  **Batch edits.** ``reorder_cache``, ``batch_select_indices``, ``batch_repeat_interleave``, ``reset``.
 C6  **Refuse early.** An operation a cache cannot perform raises ``ValueError`` naming the rule and the fix before
-    anything changes (e.g. ``QuantizedKVCache.keep_positions`` on a segment already flushed into codes). Bad
+    anything changes (e.g. KIVI's ``QuantizedKVCache.keep_positions`` on a segment already flushed into codes). Bad
     arguments get the same words from every cache: the checks are written once, in ``contract.py``
     (``layer_ids``, ``check_crop_length``, ``check_keep_args``, ``check_crop_arg``). What a cache can do is asked
     once, up front: ``contract.check_contract(cache, keep_positions=..., per_layer=..., segment=...)``, which reads

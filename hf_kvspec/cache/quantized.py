@@ -45,17 +45,19 @@ Crop rule (``crop(-k)``, used to roll back rejected speculative tokens):
 Per-layer lengths (C2): each layer counts its own tokens; ``crop(-k)`` removes ``k`` from each layer's own
 length and ``crop_layers(length, layers)`` cuts the given layers to ``length`` tokens, both by the crop rule.
 
-Keep-positions rule (C4, after a tree verification): positions move only among full-precision tokens — inside
-the window, or across sinks and window while nothing is flushed. Codes are never shuffled or re-quantized, so
-if any position of the segment ``[start, length)`` is already in the store, ``keep_positions`` raises
-``ValueError`` before changing any layer (C6). A tree must fit in the window *after* the update that wrote it
-(that update flushes when the window overflows, leaving it between ``residual_length - unit + 1`` and
-``residual_length`` tokens), so an ``n``-token segment is guaranteed to stay at full precision when
-
-    KIVI (unit = group_size):  residual_length >= n + group_size - 1   (a multiple of group_size)
-    int8 / fp8 (unit = 1):     residual_length >= n
-
-and never with ``residual_length=0``. ``check_keep_capacity(n)`` refuses a too-small window up front.
+Keep-positions rule (C4, after a tree verification):
+    * int8 / fp8, at any position after the sinks: a token's codes and scale depend on that token alone, so kept
+      tokens that land in the store take their codes (gathered; a window token is quantized then, getting the
+      codes a flush would give it) and the rest stay in the window. With ``residual_length=0`` (the default) every
+      token is read from codes it got from its own K/V, exactly as in plain decoding, so trees stay token-identical.
+    * KIVI: positions move only among full-precision tokens — inside the window, or across sinks and window while
+      nothing is flushed. A key's codes depend on its whole group of ``group_size`` tokens, so codes are never
+      shuffled or re-quantized: if any position of the segment ``[start, length)`` is already in the store,
+      ``keep_positions`` raises ``ValueError`` before changing any layer (C6). A tree must fit in the window
+      *after* the update that wrote it (that update flushes whole groups when the window overflows, leaving it
+      between ``residual_length - group_size + 1`` and ``residual_length`` tokens), so an ``n``-token segment is
+      guaranteed to stay at full precision when ``residual_length >= n + group_size - 1`` (a multiple of
+      ``group_size``). ``check_keep_capacity(n)`` refuses a too-small window up front.
 
 Deviations from KIVI (arXiv:2402.02750): none in the quantization itself (per-channel keys, per-token values,
 asymmetric, fp16 scale/zero, whole-group flushes); sink tokens follow KVQuant/StreamingLLM (arXiv:2401.18079,
@@ -150,19 +152,28 @@ class QuantSettings:
                          f"it. Group sizes that work with bits={self.bits}: {', '.join(map(str, works))} ({hint}); "
                          "or method='int8' / 'fp8', which have no groups.")
 
-    def keep_capacity(self) -> int:
-        """The longest segment guaranteed to be at full precision right after the update that wrote it."""
+    @property
+    def per_token(self) -> bool:
+        """int8 / fp8: a token's codes and scale depend on that token alone, so positions move among codes too."""
+        return self.method != "kivi"
+
+    def keep_capacity(self) -> int | None:
+        """The longest segment ``keep_positions`` is sure to accept right after the update that wrote it: None (no
+        bound) for per-token codes; for KIVI what is sure to be still in the full-precision window."""
+        if self.per_token:
+            return None
         return self.residual_length - self.flush_unit + 1 if self.residual_length else 0
 
     def window_fix(self, segment: int) -> str:
-        """The rule and the settings that would keep a ``segment``-token tree in the window."""
-        if self.method == "kivi":
-            needed = -(-(segment + self.group_size - 1) // self.group_size) * self.group_size
-            fix = (f"residual_length={needed} (>= segment tokens + group_size - 1, a multiple of group_size="
-                   f"{self.group_size}), or method='int8'/'fp8' with residual_length >= {segment}")
-        else:
-            fix = f"residual_length >= {segment} (the segment's tokens)"
-        return f"A tree/segment must fit in the residual window after the update that wrote it: use {fix}."
+        """Why KIVI keeps positions only in its window, and the settings that would keep a ``segment``-token tree
+        there."""
+        needed = -(-(segment + self.group_size - 1) // self.group_size) * self.group_size
+        return (f"KIVI quantizes keys per channel over groups of group_size={self.group_size} tokens, so a token's "
+                "codes depend on the rest of its group and cannot move to another position without re-quantizing "
+                "the group: a tree must fit in the residual window after the update that wrote it (the update "
+                f"flushes whole groups once the window overflows). Use residual_length={needed} (>= segment tokens + "
+                f"group_size - 1 = {segment + self.group_size - 1}, a multiple of group_size), or method='int8' / "
+                "'fp8', whose per-token codes keep positions at any residual_length.")
 
     @property
     def flush_unit(self) -> int:
@@ -312,11 +323,17 @@ class QuantizedKVLayer(CacheLayerMixin):
         check_keep_args(start, indices, length, self.keys.shape[0] if self.is_initialized else None, where)
         sinks = self.sink_keys.shape[2] if self.is_initialized else 0
         end, s = sinks + self.store.length, self.settings
-        if start < length and self.store.length and start < end:
-            raise ValueError(f"{where}: positions {max(start, sinks)}..{end - 1} of the segment [{start}, {length}) "
-                             f"were already flushed into {s.method} codes; QuantizedKVCache keeps positions only "
-                             f"inside its full-precision window (residual_length={s.residual_length}). "
-                             f"{s.window_fix(length - start)}")
+        if not (start < length and self.store.length and start < end):
+            return  # the segment is at full precision
+        if s.per_token and start >= sinks:
+            return  # codes move like states (QuantizedStore.keep_positions)
+        if s.per_token:
+            raise ValueError(f"{where}: the segment [{start}, {length}) begins inside the {sinks} sink tokens while "
+                             f"later tokens are already {s.method} codes; keep positions after the sinks (a tree "
+                             "after the prompt), or use fewer sink_tokens.")
+        raise ValueError(f"{where}: positions {max(start, sinks)}..{end - 1} of the segment [{start}, {length}) were "
+                         f"already flushed into {s.method} codes (residual_length={s.residual_length}). "
+                         f"{s.window_fix(length - start)}")
 
     def keep_positions(self, start: int, indices: torch.Tensor) -> None:
         """indices [B, k] into the segment ``[start, length)``: row b keeps ``start + indices[b, j]`` at ``start + j``.
@@ -324,6 +341,9 @@ class QuantizedKVLayer(CacheLayerMixin):
         if not self.is_initialized or start >= self.get_seq_length():
             return
         sinks, stored = self.sink_keys.shape[2], self.store.length
+        if stored and start < sinks + stored:  # per-token codes (check_keep refused the rest)
+            self.keys, self.values = self.store.keep_positions(start - sinks, indices, self.keys, self.values)
+            return
         base = sinks + stored if stored else 0  # position of the run's first token
         keys, values = self.keys, self.values  # [B, H, n_window, D]
         if not stored:  # nothing flushed: sinks and window are one full-precision run
@@ -381,7 +401,7 @@ class QuantizedKVCache(Cache, Capabilities):
     layers then hand their codes to it), else None (they return dequantized keys/values); it never changes.
     """
 
-    keeps_positions = True  # contract.Capabilities flags: C4 inside the window only, C3 per layer
+    keeps_positions = True  # contract.Capabilities flags: C4 (KIVI: inside the window only), C3 per layer
     crops_layers = True
     has_keep_capacity = True  # check_keep_capacity(segment): the window must hold the segment
 
@@ -419,8 +439,9 @@ class QuantizedKVCache(Cache, Capabilities):
 
     def keep_positions(self, start: int, indices: torch.Tensor, layers: Iterable[int] | None = None) -> None:
         """C4: in every row b, move position ``start + indices[b, j]`` to ``start + j`` and drop the rest of the
-        segment ``[start, length)``; indices [B, k]. Refused (nothing changed) if any chosen layer has flushed
-        part of the segment into codes: the segment must fit in the residual window (module docstring)."""
+        segment ``[start, length)``; indices [B, k]. KIVI: refused (nothing changed) if any chosen layer has flushed
+        part of the segment into codes (it must fit in the residual window); int8/fp8 keep positions among codes
+        too (module docstring)."""
         chosen = layer_ids(len(self.layers), layers, "QuantizedKVCache.keep_positions")
         for i in chosen:
             self.layers[i].check_keep(start, indices, f"QuantizedKVCache.keep_positions on layer {i}")
@@ -428,10 +449,12 @@ class QuantizedKVCache(Cache, Capabilities):
             self.layers[i].keep_positions(int(start), indices)
 
     def check_keep_capacity(self, segment: int) -> None:
-        """Refuse up front a tree of ``segment`` nodes that ``keep_positions`` could not be sure to accept."""
-        if self.settings.keep_capacity() < segment:
-            raise ValueError(f"QuantizedKVCache keeps positions only inside its full-precision window, which is "
-                             f"sure to hold {self.settings.keep_capacity()} tokens after an update (residual_length="
+        """Refuse up front a tree of ``segment`` nodes that ``keep_positions`` could not be sure to accept (KIVI
+        only: int8/fp8 keep positions among their per-token codes as well)."""
+        capacity = self.settings.keep_capacity()
+        if capacity is not None and capacity < segment:
+            raise ValueError(f"QuantizedKVCache(method='kivi') keeps positions only inside its full-precision window, "
+                             f"which is sure to hold {capacity} tokens after an update (residual_length="
                              f"{self.settings.residual_length}). {self.settings.window_fix(segment)}")
 
     def __repr__(self) -> str:

@@ -23,12 +23,21 @@ from collections.abc import Callable
 import torch
 
 from hf_kvspec.cache import quant_ops as ops
+from hf_kvspec.cache.contract import gather_segment
 
 TensorMap = Callable[[torch.Tensor], torch.Tensor]
 
 
 def _cat(old: torch.Tensor | None, new: torch.Tensor, dim: int) -> torch.Tensor:
     return new if old is None else torch.cat([old, new], dim=dim)
+
+
+def _gather_tokens(states: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """states [B, H, n, D] (codes of any dtype, or scales [B, H, n, 1]), indices [B, k] -> [B, H, k, D]. fp8 codes
+    are gathered as their bytes (torch has no fp8 gather on CPU); the bits are unchanged."""
+    if states.element_size() == 1 and states.dtype.is_floating_point:
+        return gather_segment(states.view(torch.uint8), indices).view(states.dtype)
+    return gather_segment(states, indices)
 
 
 class Workspace:
@@ -198,11 +207,56 @@ class KiviStore(QuantizedStore):
 
 
 class _PerTokenStore(QuantizedStore):
-    """Stores whose tokens quantize independently (flush unit = 1 token, truncation is exact)."""
+    """Stores whose tokens quantize independently (flush unit = 1 token, truncation is exact).
+
+    A token's codes and scale depend on that token alone, so they move between positions like full-precision states
+    and a window token quantized now gets the codes a flush would give it: ``keep_positions`` works at any position.
+    """
 
     def __init__(self):
         super().__init__()
         self.state: dict[str, torch.Tensor] = {}
+
+    @staticmethod
+    @abstractmethod
+    def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [B, H, n, D] -> (codes [B, H, n, D], scale [B, H, n, 1]), each token on its own."""
+
+    @staticmethod
+    @abstractmethod
+    def dequantize_codes(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """(codes [B, H, n, D], scale [B, H, n, 1]) -> values [B, H, n, D] in ``dtype``."""
+
+    def append(self, keys, values):
+        for prefix, x in (("k", keys), ("v", values)):
+            codes, scale = self.quantize(x)
+            self.state[f"{prefix}.codes"] = _cat(self.state.get(f"{prefix}.codes"), codes, 2)
+            self.state[f"{prefix}.scale"] = _cat(self.state.get(f"{prefix}.scale"), scale, 2)
+        self.length += keys.shape[2]
+
+    def keep_positions(self, start: int, indices: torch.Tensor, window_keys: torch.Tensor,
+                       window_values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keep-positions over the segment that begins at stored token ``start`` (< ``length``) and runs on through
+        the window ``window_keys``/``window_values`` [B, H, n, D]: row b keeps segment token ``indices[b, j]``
+        [B, k] at ``start + j``. Slots that stay below ``length`` keep codes (gathered; a window token quantized
+        now), the rest are the new window, returned as (keys, values) [B, H, k - kept, D]."""
+        shift = self.length - start  # segment tokens stored before the window's
+        kept = min(shift, indices.shape[1])  # segment slots that stay in the store
+        fresh = {"k": self.quantize(window_keys), "v": self.quantize(window_values)}
+        old_tail = [(self.state[f"{p}.codes"][:, :, start:], self.state[f"{p}.scale"][:, :, start:]) for p in "kv"]
+        for prefix, (codes, scale) in fresh.items():
+            for field, new in (("codes", codes), ("scale", scale)):
+                name = f"{prefix}.{field}"
+                segment = torch.cat([self.state[name][:, :, start:], new], dim=2)
+                self.state[name] = torch.cat([self.state[name][:, :, :start],
+                                              _gather_tokens(segment, indices[:, :kept])], dim=2)
+        rest = indices[:, kept:]  # window slots: window tokens, but a hole (a repeated index) may name a stored one
+        if rest.numel() and bool((rest < shift).any()):
+            window_keys, window_values = (torch.cat([self.dequantize_codes(*held, x.dtype), x], dim=2)
+                                          for held, x in zip(old_tail, (window_keys, window_values), strict=True))
+            shift = 0
+        self.length = start + kept
+        return _gather_tokens(window_keys, rest - shift), _gather_tokens(window_values, rest - shift)
 
     def geometry(self):
         kc, vc = self.state["k.codes"], self.state["v.codes"]  # [B, H, S, D]
@@ -222,12 +276,8 @@ class _PerTokenStore(QuantizedStore):
 class Int8Store(_PerTokenStore):
     """Symmetric int8 per token and head: codes int8 [B, H, S, D], one fp16 scale [B, H, S, 1] (no zero)."""
 
-    def append(self, keys, values):
-        for prefix, x in (("k", keys), ("v", values)):
-            codes, scale = ops.quantize_int8(x)
-            self.state[f"{prefix}.codes"] = _cat(self.state.get(f"{prefix}.codes"), codes, 2)
-            self.state[f"{prefix}.scale"] = _cat(self.state.get(f"{prefix}.scale"), scale, 2)
-        self.length += keys.shape[2]
+    quantize = staticmethod(ops.quantize_int8)
+    dequantize_codes = staticmethod(ops.dequantize_int8)
 
     def dequantize_into(self, keys_out, values_out):
         s = self.state
@@ -252,12 +302,8 @@ class Fp8Store(_PerTokenStore):
     that a token's codes do not depend on which other tokens came in its update: speculative decoding's first
     forward carries the prompt and the first drafts, plain decoding's the prompt alone."""
 
-    def append(self, keys, values):
-        for prefix, x in (("k", keys), ("v", values)):
-            codes, scale = ops.quantize_fp8(x)
-            self.state[f"{prefix}.codes"] = _cat(self.state.get(f"{prefix}.codes"), codes, 2)
-            self.state[f"{prefix}.scale"] = _cat(self.state.get(f"{prefix}.scale"), scale, 2)
-        self.length += keys.shape[2]
+    quantize = staticmethod(ops.quantize_fp8)
+    dequantize_codes = staticmethod(ops.dequantize_fp8)
 
     def dequantize_into(self, keys_out, values_out):
         s = self.state

@@ -79,12 +79,22 @@ def read_columns(cache, layer_idx: int, columns: torch.Tensor) -> tuple[torch.Te
     layers are read through their public ``keys`` / ``values`` tensors. Anything else is refused by name."""
     if callable(getattr(cache, "gather_positions", None)):
         return cache.gather_positions(layer_idx, columns)
+    check_readable(cache, [layer_idx])
     layer = cache.layers[layer_idx]
-    if type(layer) not in (DynamicLayer, StaticLayer):
-        raise ValueError(f"a sparse KV view reads the target's keys/values by column; {type(cache).__name__} layer "
-                         f"{layer_idx} is a {type(layer).__name__}, which does not hold every column in one tensor. "
-                         "Use DynamicCache, StaticCache or hf_kvspec's PagedCache for the target.")
     return gather_segment(layer.keys, columns), gather_segment(layer.values, columns)
+
+
+def check_readable(cache, layers=None) -> None:
+    """Refuse (``ValueError`` naming the caches that work) a cache whose ``layers`` (all by default) ``read_columns``
+    cannot read; None (a ``DynamicCache`` to come) passes. Reads nothing, so it can run before the first forward."""
+    if cache is None or callable(getattr(cache, "gather_positions", None)):
+        return
+    for layer_idx in range(len(cache.layers)) if layers is None else layers:
+        layer = cache.layers[layer_idx]
+        if type(layer) not in (DynamicLayer, StaticLayer):
+            raise ValueError(f"a sparse KV view reads the target's keys/values by column; {type(cache).__name__} "
+                             f"layer {layer_idx} is a {type(layer).__name__}, which does not hold every column in one "
+                             "tensor. Use DynamicCache, StaticCache or hf_kvspec's PagedCache for the target.")
 
 
 # ---------------------------------------------------------------------------------------------------- the view

@@ -90,6 +90,9 @@ class DraftVocabulary:
             raise ValueError("a draft vocabulary needs a non-empty 1-D tensor of token ids.")
         if torch.unique(token_ids).numel() != token_ids.numel():
             raise ValueError("draft vocabulary ids must be distinct.")
+        if int(token_ids.min()) < 0:
+            raise ValueError(f"draft vocabulary ids must be token ids >= 0, got {int(token_ids.min())}; pass the "
+                             "ranking's target token ids (most frequent first).")
         self.token_ids = token_ids.long()
         self._rows: dict[tuple, torch.Tensor] = {}
 
@@ -107,10 +110,12 @@ class DraftVocabulary:
                 raise FileNotFoundError(
                     f"draft_vocab_size needs a token ranking; none at {where}. Compute one with "
                     f"`python -m hf_kvspec.speculative.draft_vocab --out {where}` or pass draft_vocab=<ids tensor>.")
-        ids = ranking if isinstance(ranking, torch.Tensor) else load_ranking(ranking)
+        ids = _ranked_ids(ranking)
         if size > ids.numel():
             raise ValueError(f"draft_vocab_size={size} exceeds the {ids.numel()} ranked ids available.")
         vocab = None if head is None else head.config.base_vocab_size
+        if int(ids[:size].min()) < 0:
+            raise ValueError(f"the token ranking holds negative ids ({int(ids[:size].min())}); pass target token ids.")
         if vocab is not None and int(ids[:size].max()) >= vocab:
             raise ValueError(f"the token ranking holds ids >= the head's vocabulary ({vocab}): another tokenizer?")
         return cls(ids[:size])
@@ -136,7 +141,7 @@ class DraftVocabulary:
             ranking = ranking if ranking is not None else _shipped_ranking(head)
             if ranking is None or getattr(head, "has_draft_vocab", False):
                 return None
-            ids = ranking if isinstance(ranking, torch.Tensor) else load_ranking(ranking)
+            ids = _ranked_ids(ranking)
             return cls.for_head(head, min(SHIPPED_SIZE, ids.numel()), ids)
         return None if size is None else cls.for_head(head, size, ranking)
 
@@ -155,6 +160,25 @@ class DraftVocabulary:
         out = scores.new_full((*scores.shape[:-1], weight.shape[0]), float("-inf"))
         out[..., self.token_ids.to(scores.device)] = scores
         return out
+
+
+def _ranked_ids(ranking) -> torch.Tensor:
+    """``draft_vocab=``: ids (a tensor, or a list/tuple of ints) or a ranking file -> int64 ids [R]."""
+    if isinstance(ranking, torch.Tensor):
+        ids = ranking
+    elif isinstance(ranking, (list, tuple)):
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in ranking):
+            raise ValueError(f"draft_vocab as a list holds token ids (ints), got {ranking!r}.")
+        ids = torch.tensor(ranking, dtype=torch.long)
+    elif isinstance(ranking, (str, Path)):
+        ids = load_ranking(ranking)
+    else:
+        raise TypeError(f"draft_vocab must be token ids (a tensor or list) or a ranking file path, got "
+                        f"{type(ranking).__name__}.")
+    if ids.dim() != 1 or ids.dtype.is_floating_point or ids.dtype == torch.bool:
+        raise ValueError(f"draft_vocab must be a 1-D integer tensor of token ids, got {ids.dtype} "
+                         f"{tuple(ids.shape)}.")
+    return ids.long()
 
 
 def _ranking_path(head) -> Path | None:

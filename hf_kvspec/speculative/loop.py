@@ -30,9 +30,17 @@ from hf_kvspec import _compat
 from hf_kvspec.speculative.buffer import TokenBuffer
 from hf_kvspec.speculative.drafters.base import Assistant, DraftContext, DraftProposal, RoundOutcome
 from hf_kvspec.speculative.drafters.features import FeatureCapture
+from hf_kvspec.speculative.in_use import exclusive_use
 from hf_kvspec.speculative.output import CallOutput, SpeculativeGenerateOutput
 from hf_kvspec.speculative.positions import History, PositionwiseProcessor, PositionwiseStopper
-from hf_kvspec.speculative.preflight import check_call, check_inputs, check_kwargs, check_tree_support, rows_may_leave
+from hf_kvspec.speculative.preflight import (
+    check_call,
+    check_entry,
+    check_inputs,
+    check_kwargs,
+    check_tree_support,
+    rows_may_leave,
+)
 from hf_kvspec.speculative.rounds import cap_depth, is_tree, plan_round
 from hf_kvspec.speculative.rows import ActiveRows
 from hf_kvspec.speculative.stats import AcceptanceStats
@@ -62,10 +70,7 @@ def speculative_generate(model, input_ids, logits_processor, stopping_criteria, 
     call and thread (a ``TorchFunctionMode``); the model's modules are never changed. ``False`` keeps torch's stock
     kernels (the reference) and never imports ``hf_kvspec.kernels``; ``True`` asks for them wherever they apply.
     """
-    if assistant is None:
-        raise ValueError("speculative_generate needs an assistant: generate(..., custom_generate="
-                         "hf_kvspec.speculative_generate, assistant=hf_kvspec.NgramAssistant()) or a "
-                         "DraftModelAssistant(draft_model).")
+    check_entry(assistant, logits_processor, stopping_criteria, generation_config)
     if synced_gpus:
         raise NotImplementedError("speculative_generate does not support synced_gpus (DeepSpeed ZeRO-3 / FSDP).")
     decoder = SpeculativeDecoder(model, assistant, logits_processor, stopping_criteria, generation_config,
@@ -111,10 +116,16 @@ class SpeculativeDecoder:
 
     # ------------------------------------------------------------------------------------------ driver
     def run(self, input_ids: torch.Tensor, model_kwargs: dict):
+        """The whole call, holding the assistant for its duration: another call that runs the same instance at the
+        same time is refused (``in_use.py``)."""
+        with exclusive_use(self.assistant):
+            return self._run(input_ids, model_kwargs)
+
+    def _run(self, input_ids: torch.Tensor, model_kwargs: dict):
         check_kwargs(model_kwargs)
         self.cache = model_kwargs.get("cache")
         batch, prompt_len = input_ids.shape
-        self.sliding = check_call(self.model, self.cache, self.assistant, batch)
+        self.sliding = check_call(self.model, self.cache, self.assistant, batch, self.stopper.max_length)
         pad = _compat.generation_pad_token_id(self.config)
         self.buffer = TokenBuffer(input_ids, model_kwargs.get("attention_mask"), pad)
         capacity = (self.config.max_length or prompt_len + 256) + _MAX_ROUND_SLACK  # History grows if needed

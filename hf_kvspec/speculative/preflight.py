@@ -18,6 +18,21 @@ from hf_kvspec.speculative.rounds import check_tree_attention
 HANDLED_KWARGS = {"attention_mask", "position_ids", "cache", "use_cache", "logits_to_keep"}
 
 
+def check_entry(assistant, logits_processor, stopping_criteria, generation_config) -> None:
+    """``speculative_generate`` is ``generate``'s decoding loop: it needs an assistant, and ``generate`` builds the
+    other three arguments."""
+    if assistant is None:
+        raise ValueError("speculative_generate needs an assistant: generate(..., custom_generate="
+                         "hf_kvspec.speculative_generate, assistant=hf_kvspec.NgramAssistant()) or a "
+                         "DraftModelAssistant(draft_model).")
+    missing = [name for name, value in (("logits_processor", logits_processor), ("stopping_criteria",
+               stopping_criteria), ("generation_config", generation_config)) if value is None]
+    if missing:
+        raise TypeError(f"speculative_generate got {' / '.join(missing)} = None: it is generate's decoding loop, "
+                        "called as model.generate(input_ids, custom_generate=hf_kvspec.speculative_generate, "
+                        "assistant=..., max_new_tokens=...), which builds them.")
+
+
 def check_inputs(model, assistant, generation_config) -> None:
     """The call's model, assistant and generation settings."""
     if not isinstance(assistant, Assistant):
@@ -36,13 +51,18 @@ def check_kwargs(model_kwargs: dict) -> None:
                          f"{sorted(unknown)}. Pass input_ids/attention_mask (decoder-only text models).")
 
 
-def check_call(model, cache, assistant: Assistant, batch: int) -> bool:
+def check_call(model, cache, assistant: Assistant, batch: int, max_length: int | None = None) -> bool:
     """Before any forward: the cache rolls back, keeps a tree's path of up to ``max_draft_tokens`` nodes (+ the
-    root) when the assistant proposes trees, crops layer ranges when it drafts on the target's own cache; sliding
-    windows only at batch 1 and never with trees. Returns whether the cache has sliding-window layers."""
+    root) when the assistant proposes trees, crops layer ranges when it drafts on the target's own cache, has room
+    for the last round (``check_room``); sliding windows only at batch 1 and never with trees; the assistant's own
+    checks (``Assistant.check_target``). Returns whether the cache has sliding-window layers."""
     trees = assistant.proposes_trees
+    check_room(cache, assistant, max_length)
+    if trees:  # the model's own sliding windows first: the advice is a chain, not a cache call
+        check_tree_support(model, False)
     check_cache(cache, keep_positions=trees, per_layer=assistant.shares_target_cache,
                 segment=assistant.max_draft_tokens + 1 if trees else None)
+    assistant.check_target(model, cache)
     sliding = prepare_for_rollback(cache)
     if batch > 1 and (sliding or has_sliding_layers(model.config)):
         raise NotImplementedError(
@@ -52,6 +72,27 @@ def check_call(model, cache, assistant: Assistant, batch: int) -> bool:
     if trees:
         check_tree_support(model, sliding)
     return sliding
+
+
+def check_room(cache, assistant: Assistant, max_length: int | None) -> None:
+    """A cache of fixed size (``get_max_length() > 0``, e.g. ``StaticCache``) holds the last round: before it up to
+    ``max_length - 1`` committed columns, then the root and the drafts. A chain is cut to the tokens left, so it needs
+    what plain decoding needs; a tree keeps its width (up to ``max_draft_tokens`` nodes) near the end."""
+    if cache is None or max_length is None:
+        return
+    sizes = [layer.get_max_length() for layer in getattr(cache, "layers", ())
+             if not getattr(layer, "is_sliding", False)]  # a sliding layer's size is its window, not a limit
+    size = min((s for s in sizes if s is not None and s > 0), default=0)
+    if size <= 0:
+        return
+    nodes = assistant.max_draft_tokens if assistant.proposes_trees else 0
+    needed = max_length - 1 + nodes
+    if size < needed:
+        tree = (f" plus a tree round's {nodes} nodes (a smaller tree: EAGLE's total_tokens=, a shorter choice "
+                "list, tree='chain')" if nodes else "")
+        raise ValueError(f"the {type(cache).__name__} holds {size} positions, but this call needs {needed}: up to "
+                         f"max_length - 1 = {max_length - 1} committed tokens{tree}. Build it with "
+                         f"max_cache_len >= {needed}, or pass fewer max_new_tokens.")
 
 
 def check_tree_support(model, sliding: bool) -> None:

@@ -43,6 +43,7 @@ Shapes: ``B`` rows, ``N`` nodes, ``S`` committed cache slots, ``D`` maximum dept
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -193,7 +194,7 @@ class StaticTree:
     @classmethod
     def from_choices(cls, choices: Sequence[Sequence[int]]) -> StaticTree:
         """Nodes keep the given order when every choice's prefix comes earlier, else are stably sorted by length."""
-        choices = tuple(tuple(int(r) for r in c) for c in choices)
+        choices = _choice_tuples(choices)
         if len(set(choices)) != len(choices) or any(not c or min(c) < 0 for c in choices):
             raise ValueError("choices must be distinct non-empty tuples of non-negative top-k ranks, e.g. (0,), (0, 1).")
         index = {c: n for n, c in enumerate(choices)}
@@ -233,6 +234,19 @@ class StaticTree:
         """``ranked`` [B, D, R] token ids, best first, per depth (Medusa: head d's top-R) -> the tree's tokens."""
         tokens = ranked[:, self.depth - 1, self.rank]  # [B, N]
         return CandidateTree.build(tokens, self.parents.to(ranked.device))
+
+
+def _choice_tuples(choices) -> tuple[tuple[int, ...], ...]:
+    """A choice list as tuples of int ranks; refuses what is not one (a flat list, an empty one, float ranks)."""
+    example = "e.g. tree=[(0,), (1,), (0, 0)] (or tree='chain')"
+    if isinstance(choices, (str, bytes)) or not isinstance(choices, Sequence) or len(choices) == 0:
+        raise ValueError(f"a tree choice list needs at least one node, {example}; got {choices!r}.")
+    bad = [c for c in choices if isinstance(c, (str, bytes)) or not isinstance(c, Sequence)
+           or not all(isinstance(r, numbers.Integral) and not isinstance(r, bool) for r in c)]
+    if bad:
+        raise ValueError(f"each tree node is a tuple of int top-k ranks, one per depth ({example}); got {bad[0]!r} "
+                         f"in {list(choices)!r}.")
+    return tuple(tuple(int(r) for r in c) for c in choices)
 
 
 def static_tree(tree: str | Sequence[Sequence[int]], chain_length: int) -> StaticTree:

@@ -167,10 +167,19 @@ def test_quantized_cache_is_forwarded_and_refuses_flushed_segments_by_rule():
     assert contract.seq_lengths(cache) == [53, 53, 53]
 
 
-def test_quantized_int8_without_window_names_the_fix():
+def test_quantized_int8_without_window_keeps_positions_among_its_codes():
+    """Per-token codes move like states (#29 item 2): window 0 keeps a segment that is all codes already."""
     cache = QuantizedKVCache(LLAMA, method="int8")
     cache.update(*_states(12, 0), 0)
-    with pytest.raises(ValueError, match=r"flushed into int8 codes.*residual_length >= 4"):
+    cache.keep_positions(8, PAIRS, layers=[0])
+    assert cache.get_seq_length(0) == 8 + PAIRS.shape[1] and cache.layers[0].store.length == 8 + PAIRS.shape[1]
+
+
+def test_quantized_kivi_without_room_names_the_window_and_why():
+    cache = QuantizedKVCache(LLAMA, bits=2, group_size=16, residual_length=0)
+    cache.update(*_states(12, 0), 0)
+    cache.update(*_states(8, 1), 0)  # 20 tokens: the first group of 16 is flushed
+    with pytest.raises(ValueError, match=r"flushed into kivi codes.*per channel.*residual_length=32"):
         cache.keep_positions(8, PAIRS, layers=[0])
 
 
@@ -226,14 +235,18 @@ def test_contract_accepts_what_it_supports():
 
 
 @pytest.mark.parametrize("settings, segment, fix", [
-    (dict(method="int8"), None, "residual_length >= 1"),  # window 0: no tree can be kept
-    (dict(method="int8", residual_length=8), 9, "residual_length >= 9"),
+    (dict(bits=2, group_size=16, residual_length=0), None, "residual_length=16"),  # window 0: no tree can be kept
     (dict(bits=4, group_size=16, residual_length=32), 18, "residual_length=48"),  # 32 - 16 + 1 = 17 < 18
 ])
 def test_quantized_cache_too_small_for_the_tree_is_refused_up_front(settings, segment, fix):
     with pytest.raises(ValueError, match=f"must fit in the residual window.*{fix}"):
         contract.check_contract(QuantizedKVCache(LLAMA, **settings), keep_positions=True, segment=segment)
     contract.check_contract(QuantizedKVCache(LLAMA, **settings), keep_positions=False)
+
+
+@pytest.mark.parametrize("settings", [dict(method="int8"), dict(method="fp8", residual_length=3)])
+def test_per_token_quantized_caches_take_trees_of_any_size(settings):
+    contract.check_contract(QuantizedKVCache(LLAMA, **settings), keep_positions=True, segment=200)
 
 
 @pytest.mark.parametrize("start, indices, match", [

@@ -100,7 +100,7 @@ def test_the_loop_check_is_the_contract_check():
         with pytest.raises(ValueError, match=r"NoCrop cannot be cropped \(is_croppable is False.*DynamicCache\("):
             check(NoCrop(config=LLAMA))
         with pytest.raises(ValueError, match="must fit in the residual window"):
-            check(QuantizedKVCache(LLAMA, method="int8"), keep_positions=True, segment=4)
+            check(QuantizedKVCache(LLAMA, group_size=16, residual_length=128), keep_positions=True, segment=200)
     own = Cache(layers=[_OwnLayer() for _ in range(LAYERS)])
     check_cache(own)  # rolling back needs crop(-k) only: any croppable layer kind will do
     contract.check_contract(own)

@@ -189,3 +189,91 @@ def test_a_verify_forward_reads_what_single_steps_read_only_without_a_window(mod
             gaps[window] = (model(continuation, cache=verified).logits[0] - single).abs().amax(-1)  # [T]
     assert gaps[0].max() < 1e-5
     assert (gaps[4] > 1e-4).all() and (gaps[9] > 1e-4).all()
+
+
+# ---------------------------------------------------------------------------------------------- trees (#29 item 2)
+@pytest.mark.parametrize("method", ["int8", "fp8"])
+def test_per_token_codes_keep_positions_like_a_cache_that_only_saw_the_kept_tokens(method):
+    """keep_positions on a segment already flushed into codes (window 0): the kept tokens' codes and scales equal
+    those of a cache that was fed only the kept tokens (per-token codes move like states)."""
+    generator = torch.Generator().manual_seed(3)
+    config = tiny_model("llama").config
+    batch, prefix, nodes = 3, 7, 6
+    keys = torch.randn(batch, 2, prefix + nodes, 32, generator=generator)
+    values = torch.randn(batch, 2, prefix + nodes, 32, generator=generator)
+    indices = torch.tensor([[0, 2, 5], [1, 3, 3], [4, 4, 4]])  # ascending; shorter rows repeat their last index
+    tree = QuantizedKVCache(config, method=method)
+    tree.update(keys[:, :, :prefix], values[:, :, :prefix], 0)
+    tree.update(keys[:, :, prefix:], values[:, :, prefix:], 0)
+    tree.keep_positions(prefix, indices, layers=[0])
+    kept = prefix + indices  # [B, 3] positions of the kept tokens in the fed states
+    take = lambda x: torch.cat([x[:, :, :prefix], x.gather(2, kept[:, None, :, None].expand(-1, 2, -1, 32))], 2)  # noqa: E731
+    reference = QuantizedKVCache(config, method=method)
+    reference.update(take(keys), take(values), 0)
+    got, want = tree.layers[0].store.state, reference.layers[0].store.state
+    assert tree.get_seq_length(0) == reference.get_seq_length(0) == prefix + 3
+    for name in want:
+        assert torch.equal(got[name].view(torch.uint8) if got[name].element_size() == 1 else got[name],
+                           want[name].view(torch.uint8) if want[name].element_size() == 1 else want[name]), name
+
+
+@pytest.mark.parametrize("residual", [3, 9])
+def test_per_token_keep_positions_across_store_and_window_keeps_each_token(residual):
+    """With a window, kept tokens land in the store (as their own codes) or in the window (exact): each kept
+    position reads its token, exact or quantized-then-dequantized, never another token."""
+    from hf_kvspec.cache import quant_ops as ops
+
+    generator = torch.Generator().manual_seed(4)
+    config = tiny_model("llama").config
+    keys = torch.randn(2, 2, 20, 32, generator=generator)
+    values = torch.randn(2, 2, 20, 32, generator=generator)
+    indices = torch.tensor([[0, 1, 4, 9, 11], [2, 3, 5, 6, 8]])
+    cache = QuantizedKVCache(config, method="int8", residual_length=residual)
+    cache.update(keys[:, :, :8], values[:, :, :8], 0)
+    cache.update(keys[:, :, 8:], values[:, :, 8:], 0)
+    cache.keep_positions(8, indices, layers=[0])
+    layer = cache.layers[0]
+    stored_keys, _ = layer.store.dequantize(torch.float32)
+    read = torch.cat([stored_keys, layer.keys], dim=2)  # [B, H, 13, D]
+    expected = torch.cat([keys[:, :, :8], keys.gather(2, (8 + indices)[:, None, :, None].expand(-1, 2, -1, 32))], 2)
+    rounded = ops.dequantize_int8(*ops.quantize_int8(expected), torch.float32)
+    in_store = torch.arange(13) < layer.store.length
+    assert layer.store.length > 8  # the segment reached into the codes
+    assert torch.equal(read[:, :, in_store], rounded[:, :, in_store])
+    assert torch.equal(read[:, :, ~in_store], expected[:, :, ~in_store])
+
+
+def _tree_assistant(model, kind):
+    from hf_kvspec.heads.configuration import EagleConfig, MedusaConfig
+    from hf_kvspec.heads.modeling_eagle import EagleHead
+    from hf_kvspec.heads.modeling_medusa import MedusaHeads
+
+    torch.manual_seed(5)
+    if kind == "medusa":
+        return hf_kvspec.MedusaAssistant(MedusaHeads(MedusaConfig.for_base_model(model, "tiny", num_heads=3)),
+                                         draft_vocab_size=None)
+    return hf_kvspec.EagleAssistant(EagleHead(EagleConfig.for_base_model(model, "tiny")), draft_vocab_size=None)
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("kind", ["medusa", "eagle"])
+@pytest.mark.parametrize("method", ["int8", "fp8"])
+def test_trees_on_per_token_codes_without_a_window_equal_plain_greedy(model, method, kind, batch):
+    """Window 0: every tree's accepted path is kept among codes; greedy output equals plain decoding on the same
+    cache kind, token for token."""
+    prompt = torch.randint(3, 90, (batch, 12), generator=torch.Generator().manual_seed(0))
+    plain = _greedy(model, prompt, QuantizedKVCache(model.config, method=method), new=24)
+    out = _greedy(model, prompt, QuantizedKVCache(model.config, method=method), new=24,
+                  custom_generate=hf_kvspec.speculative_generate, assistant=_tree_assistant(model, kind),
+                  return_dict_in_generate=True)
+    assert out.acceptance.draft_lengths and max(out.acceptance.draft_lengths) > 1  # trees were verified
+    assert torch.equal(out.sequences, plain)
+
+
+def test_kivi_refusal_names_the_window_that_works_and_why(model):
+    cache = QuantizedKVCache(model.config, bits=4, group_size=16, residual_length=16)
+    with pytest.raises(ValueError) as info:
+        _greedy(model, torch.tensor([[5, 6, 7]]), cache, new=4, custom_generate=hf_kvspec.speculative_generate,
+                assistant=_tree_assistant(model, "medusa"))
+    message = str(info.value)
+    assert "residual_length=32" in message and "per channel" in message and "'int8'" in message

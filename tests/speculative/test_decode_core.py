@@ -77,6 +77,22 @@ def test_a_cache_that_already_holds_the_whole_prompt_continues_like_plain_genera
     assert torch.equal(out.sequences, _plain(target, ids))
 
 
+@pytest.mark.parametrize("batch", [1, 3])
+def test_a_cache_that_already_holds_the_whole_prompt_continues_with_eagle_too(target, batch):
+    """#29 item 5: a caller's cache that holds the whole prompt, with a feature-reading tree assistant, bs 1 and 3."""
+    from hf_kvspec.heads.configuration import EagleConfig
+    from hf_kvspec.heads.modeling_eagle import EagleHead
+
+    ids = _ids(batch=batch)
+    head = EagleHead(EagleConfig.for_base_model(target, "tiny"))
+    for make in (lambda: hf_kvspec.NgramAssistant(num_draft_tokens=3),
+                 lambda: hf_kvspec.EagleAssistant(head, draft_vocab_size=None)):
+        cache = DynamicCache(config=target.config)
+        target(ids, cache=cache)
+        out = _speculative(target, ids, make(), cache=cache)
+        assert torch.equal(out.sequences, _plain(target, ids))
+
+
 def test_a_cache_that_holds_part_of_the_prompt_prefills_only_the_rest(target):
     ids = _ids(length=10)
     cache = DynamicCache(config=target.config)

@@ -173,6 +173,11 @@ class Assistant(abc.ABC):
         self.max_draft_tokens: int = max_draft_tokens  # most nodes a proposal holds (sizes the caches' checks)
         self.auto = AutoDraftLength(max_draft_tokens=max_draft_tokens) if num_draft_tokens == "auto" else None
 
+    def check_target(self, target, cache) -> None:  # noqa: B027 - optional hook, most assistants fit any target
+        """Called before the call's first forward with the target and the caller's cache (None: the loop makes a
+        ``DynamicCache``): refuse (``ValueError`` naming the fix) what this assistant cannot do with them, so that
+        nothing is found out after a forward."""
+
     def begin(self, target, buffer: TokenBuffer, target_hidden: torch.Tensor | None = None) -> None:
         """Called once per ``generate`` call, after the prefill and before the first round; resets per-call state (an
         ``"auto"`` draft length keeps what it measured in earlier calls with as many rows: costs and acceptance carry

@@ -30,6 +30,7 @@ from hf_kvspec.masking import additive_mask
 from hf_kvspec.speculative.autotree import AutoTreeSize, dynamic_menu, fit_tree, static_menu
 from hf_kvspec.speculative.draft_vocab import DraftVocabulary
 from hf_kvspec.speculative.drafters.base import Assistant, DraftContext, DraftProposal, RoundOutcome
+from hf_kvspec.speculative.drafters.checks import require_count, require_head, require_rank_fits
 from hf_kvspec.speculative.drafters.features import begin_with_features
 from hf_kvspec.speculative.tree import grow_dynamic_tree, grow_static_tree, static_tree
 
@@ -61,8 +62,9 @@ class EagleAssistant(Assistant):
     def __init__(self, head, tree: str | Sequence[Sequence[int]] = "dynamic", depth: int = 5,
                  top_k: int = 4, total_tokens: int = 24, num_draft_tokens: int | str | None = "auto",
                  draft_vocab_size: int | str | None = "shipped", draft_vocab=None):
-        if min(depth, top_k, total_tokens) < 1:
-            raise ValueError(f"depth, top_k and total_tokens must be >= 1, got {depth}, {top_k}, {total_tokens}.")
+        require_head("EagleAssistant", head)
+        for name, value in (("depth", depth), ("top_k", top_k), ("total_tokens", total_tokens)):
+            require_count(name, value)
         self.static = None if tree == "dynamic" else static_tree(tree, depth)
         size = total_tokens if self.static is None else self.static.num_nodes
         super().__init__(size if num_draft_tokens is None else num_draft_tokens, max_draft_tokens=size)
@@ -75,6 +77,11 @@ class EagleAssistant(Assistant):
                              f"{head.config.draft_vocab_size}): its projection is already restricted; leave "
                              "draft_vocab_size unset.")
         self.vocab = DraftVocabulary.resolve(head, draft_vocab_size, draft_vocab)
+        if self.static is None:
+            require_rank_fits(f"top_k={top_k}", top_k, head, self.vocab, "pass a smaller top_k")
+        else:
+            require_rank_fits(f"the tree (a node of rank {self.static.max_rank - 1})", self.static.max_rank, head,
+                              self.vocab, "use a tree of lower ranks or a larger draft_vocab_size")
         self._fitted: dict[tuple, object] = {}
         self.feature_layers = tuple(head.config.feature_layers)
         self.depth, self.top_k, self.total_tokens = depth, top_k, total_tokens

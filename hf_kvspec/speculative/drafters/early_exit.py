@@ -62,14 +62,21 @@ class EarlyExitAssistant(Assistant):
         self.stack: PartialForward | None = None
         self.kept: torch.Tensor | None = None  # [B, N, H] layer-E states of this round's drafted columns
 
+    def check_target(self, target, cache) -> None:
+        """Before the first forward: the exit layer exists, a trained adapter pairs with the target (attached here:
+        another base model is refused, its head borrowed) and the adapter maps the target's hidden states."""
+        layers = PartialForward(target).num_layers
+        if self.exit_layer > layers:
+            raise ValueError(f"exit_layer={self.exit_layer} but the target has {layers} layers; pass 1..{layers}")
+        if hasattr(self.adapter, "attach"):
+            self.adapter.attach(target)
+        if self.adapter is not None:
+            _check_adapter_width(self.adapter, target)
+
     def begin(self, target, buffer, target_hidden=None) -> None:
         super().begin(target, buffer, target_hidden)
         self.stack = PartialForward(target)
-        if self.exit_layer > self.stack.num_layers:
-            raise ValueError(f"exit_layer={self.exit_layer} but the target has {self.stack.num_layers} layers; "
-                             f"pass 1..{self.stack.num_layers}")
-        if hasattr(self.adapter, "attach"):  # a trained ExitAdapter: refuse another base model, borrow its head
-            self.adapter.attach(target)
+        self.check_target(target, None)
         self.kept = None
 
     def kernel_modules(self) -> tuple:
@@ -147,6 +154,22 @@ def _exit_vocabulary(adapter, size: int | str | None, ranking) -> DraftVocabular
         raise ValueError(f"draft_vocab_size={size} needs a token ranking: pass draft_vocab=<ids tensor or file> "
                          "(e.g. a head directory's token_ranking.safetensors) or a trained adapter that ships one.")
     return DraftVocabulary.resolve(adapter, size, ranking)
+
+
+@torch.no_grad()
+def _check_adapter_width(adapter, target) -> None:
+    """The adapter maps [1, 1, H] states of ``target`` to [1, 1, H] (tried on zeros), else a ``ValueError``."""
+    hidden = target.get_output_embeddings().weight.shape[1]
+    weight = next(adapter.parameters(), None) if isinstance(adapter, torch.nn.Module) else None
+    probe = torch.zeros(1, 1, hidden) if weight is None else weight.new_zeros(1, 1, hidden)
+    try:
+        shape = tuple(adapter(probe).shape)
+    except (RuntimeError, ValueError, TypeError) as err:
+        raise ValueError(f"the exit adapter cannot take the target's hidden states [B, T, {hidden}] ({err}); pass an "
+                         f"adapter built for this target (hidden size {hidden}).") from err
+    if shape != (1, 1, hidden):
+        raise ValueError(f"the exit adapter maps [1, 1, {hidden}] states to {list(shape)}; it must return the target's "
+                         f"hidden size {hidden} (it feeds the final norm and LM head).")
 
 
 def _adapter_exit_layer(exit_layer: int | None, adapter) -> int | None:

@@ -17,6 +17,7 @@ Shapes: ``B`` rows, ``T`` fed tokens, ``H`` hidden size, ``F = len(feature_layer
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 
 import torch
@@ -41,16 +42,20 @@ class FeatureCapture:
     """``with FeatureCapture(target, [-1]) as capture: target(...)`` then ``capture.features()`` -> [B, T, F].
 
     Each hooked module keeps the output of its latest call; ``features()`` concatenates them in the order of
-    ``feature_layers``.
+    ``feature_layers``. Scoped to the thread that entered the block: the hooks sit on modules every caller of the
+    model shares, so a forward of the same model in another thread (another ``generate``, a server's request) is
+    not recorded.
     """
 
     def __init__(self, model: nn.Module, feature_layers: Sequence[int]):
         self.modules = [feature_module(model, i) for i in feature_layers]
         self.outputs: list[torch.Tensor | None] = [None] * len(self.modules)
         self.handles: list = []
+        self.thread: int | None = None  # the thread whose forwards are recorded
 
     def __enter__(self) -> FeatureCapture:
         self.outputs = [None] * len(self.modules)
+        self.thread = threading.get_ident()
         try:
             for slot, module in enumerate(self.modules):
                 self.handles.append(module.register_forward_hook(self._recorder(slot)))
@@ -69,7 +74,8 @@ class FeatureCapture:
 
     def _recorder(self, slot: int):
         def record(module, args, output):
-            self.outputs[slot] = output[0] if isinstance(output, tuple) else output  # [B, T, H]
+            if threading.get_ident() == self.thread:  # another thread's forward of the shared module is not ours
+                self.outputs[slot] = output[0] if isinstance(output, tuple) else output  # [B, T, H]
         return record
 
     def features(self) -> torch.Tensor:

@@ -31,6 +31,7 @@ Shapes: ``B`` rows, ``N`` drafts, ``T`` calibration columns, ``V`` vocabulary.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -39,6 +40,7 @@ from transformers import DynamicCache
 from hf_kvspec.cache.contract import crop_layers
 from hf_kvspec.speculative.drafters import skip_search_store as store
 from hf_kvspec.speculative.drafters.base import Assistant, ChainDraft, DraftContext, DraftProposal
+from hf_kvspec.speculative.drafters.checks import require_count
 from hf_kvspec.speculative.drafters.skip_search_store import ModelFingerprint, SearchResult, SearchSettings
 from hf_kvspec.speculative.partial_forward import PartialForward
 
@@ -67,11 +69,14 @@ class LayerSkipAssistant(Assistant):
                  max_draft_tokens: int = 16, calibration_tokens: int = 16, patience: int = 3,
                  reuse_search: bool = True):
         super().__init__(num_draft_tokens, max_draft_tokens)
+        require_count("calibration_tokens", calibration_tokens)
+        require_count("patience", patience, minimum=0)
         if skip_layers != "search":
-            if isinstance(skip_layers, (str, bytes)) or not all(
+            if isinstance(skip_layers, (str, bytes)) or not isinstance(skip_layers, Iterable) or not all(
                     isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in skip_layers):
-                raise ValueError(f"skip_layers must be a list of layer indices or 'search' (a saved search: "
-                                 f"LayerSkipAssistant.from_search(path)), got {skip_layers!r}")
+                raise ValueError(f"skip_layers must be a list of layer indices (e.g. [{skip_layers}] for one layer) "
+                                 f"or 'search' (a saved search: LayerSkipAssistant.from_search(path)), got "
+                                 f"{skip_layers!r}")
             skip_layers = sorted(set(skip_layers))
         self.skip_layers = skip_layers
         self.calibration_tokens = calibration_tokens

@@ -21,6 +21,7 @@ import torch
 from hf_kvspec.speculative.autotree import AutoTreeSize, fit_tree, static_menu
 from hf_kvspec.speculative.draft_vocab import DraftVocabulary
 from hf_kvspec.speculative.drafters.base import Assistant, DraftContext, DraftProposal, RoundOutcome
+from hf_kvspec.speculative.drafters.checks import require_head, require_rank_fits
 from hf_kvspec.speculative.drafters.features import begin_with_features
 from hf_kvspec.speculative.tree import CandidateTree, StaticTree, static_tree
 from hf_kvspec.speculative.verify import VerifyResult, deepest_path, sample_tokens
@@ -54,6 +55,7 @@ class MedusaAssistant(Assistant):
                  num_draft_tokens: int | str | None = "auto", posterior_threshold: float = 0.09,
                  posterior_alpha: float = 0.3, draft_vocab_size: int | str | None = "shipped",
                  draft_vocab=None):
+        require_head("MedusaAssistant", heads)
         self.tree = static_tree(tree, heads.config.num_heads)
         if self.tree.max_depth > heads.config.num_heads:
             raise ValueError(f"the tree is {self.tree.max_depth} deep but the Medusa heads have "
@@ -66,6 +68,8 @@ class MedusaAssistant(Assistant):
             self.auto = AutoTreeSize(static_menu(self.tree))
         self.heads = heads.eval()
         self.vocab = DraftVocabulary.resolve(heads, draft_vocab_size, draft_vocab)
+        require_rank_fits(f"the tree (a node of rank {self.tree.max_rank - 1})", self.tree.max_rank, heads, self.vocab,
+                          "use a tree of lower ranks or a larger draft_vocab_size")
         self.acceptance = acceptance
         self.lossy = acceptance == "typical"
         #: the name the loop records in ``AcceptanceStats.lossy_rules`` when it applies ``verify`` (None: exact)

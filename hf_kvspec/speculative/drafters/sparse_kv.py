@@ -34,10 +34,13 @@ from __future__ import annotations
 
 import torch
 
-from hf_kvspec.cache.views import StreamingView, read_columns
+from hf_kvspec.cache.views import StreamingView, check_readable, read_columns
 from hf_kvspec.speculative.drafters.base import Assistant, ChainDraft, DraftContext, DraftProposal
 
 VIEWS = ("streaming", "quantized")
+_QUANTIZED_TARGET = ("SparseKVAssistant(view='quantized') keeps the codes itself beside the target's full-precision "
+                     "cache; a QuantizedKVCache target would be verified over codes, which is not the plain target. "
+                     "Pass a DynamicCache (or PagedCache), or no cache.")
 
 
 class SparseKVAssistant(Assistant):
@@ -68,6 +71,18 @@ class SparseKVAssistant(Assistant):
         self.model = None
         self.shadow = None  # view="quantized": QuantizedKVCache of the committed columns
         self.last_view_bytes = self.last_view_tokens = 0
+
+    def check_target(self, target, cache) -> None:
+        """Before the first forward: the view reads the target's cache by column (streaming), or keeps codes beside
+        a full-precision cache through the fused attention (quantized)."""
+        if self.view == "streaming":
+            check_readable(cache)
+            return
+        from hf_kvspec.cache.quantized import QuantizedKVCache
+
+        if isinstance(cache, QuantizedKVCache):
+            raise ValueError(_QUANTIZED_TARGET)
+        self._check_fused_attention(target)
 
     def begin(self, target, buffer, target_hidden=None) -> None:
         super().begin(target, buffer, target_hidden)
@@ -104,9 +119,7 @@ class SparseKVAssistant(Assistant):
         from hf_kvspec.cache.quantized import QuantizedKVCache
 
         if isinstance(cache, QuantizedKVCache):
-            raise ValueError("SparseKVAssistant(view='quantized') keeps the codes itself beside the target's "
-                             "full-precision cache; a QuantizedKVCache target would be verified over codes, which is "
-                             "not the plain target. Pass a DynamicCache (or PagedCache), or no cache.")
+            raise ValueError(_QUANTIZED_TARGET)
         if self.shadow is None:
             self.shadow = QuantizedKVCache(self.model.config, sink_tokens=self.sink_tokens, **self.quant)
             self.shadow.check_keep_capacity(self.max_draft_tokens)  # drafts must crop out of the window exactly
