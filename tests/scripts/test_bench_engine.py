@@ -5,8 +5,8 @@ Poisson and all-at-once arrivals, greedy outputs agree across systems, the figur
 from __future__ import annotations
 
 import argparse
-import itertools
 import inspect
+import itertools
 import json
 import sys
 from pathlib import Path
