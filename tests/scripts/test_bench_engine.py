@@ -62,7 +62,7 @@ def test_every_system_serves_every_request(bench, tmp_path):
         assert row["tok_per_s"] == pytest.approx(row["output_tokens"] / row["seconds"], rel=0.01)
         assert 0 <= row["ttft_p50"] <= row["ttft_p99"] and 0 <= row["itl_p50"] <= row["itl_p99"]
     engine_rows = [r for r in report.rows if r["system"] == "engine"]
-    assert all(0 < r["block_util"] <= 1 for r in engine_rows)
+    assert all(0 < r["block_util"] <= 1 and 0 < r["slot_util"] <= 1 for r in engine_rows)
     assert all(r["vs_hf"] == pytest.approx(r["tok_per_s"] / h["tok_per_s"], rel=0.01)
                for r, h in zip(engine_rows, [r for r in report.rows if r["system"] == "hf"]))
     path = report.write(tmp_path)
