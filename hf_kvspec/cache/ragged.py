@@ -77,6 +77,7 @@ class RaggedKV(stored_kv.StoredKV):
     block_tables: tuple[torch.Tensor, ...]  # per row [M_r] int64 physical block ids
     new_token_masks: tuple[torch.Tensor | None, ...]  # per row [T_r, T_r] bool or None (causal)
     memo: dict = field(default_factory=dict, compare=False)  # per-forward derived tensors (attention's)
+    reference: bool = False  # attend through the plain row-by-row reference (tests, debugging), not the fast path
 
 
 class RaggedPagedCache(Cache):
@@ -228,8 +229,9 @@ class RaggedPagedCache(Cache):
         self.truncate(seq_id, start + len(kept))
 
     # ---- the forward ---------------------------------------------------------------------------------
-    def begin_forward(self, rows: Sequence[RaggedRow], device: torch.device) -> RaggedKV:
-        """Fix the packed layout of the next forward; every row must be ``reserve``d for its new tokens."""
+    def begin_forward(self, rows: Sequence[RaggedRow], device: torch.device, reference: bool = False) -> RaggedKV:
+        """Fix the packed layout of the next forward; every row must be ``reserve``d for its new tokens.
+        ``reference``: attention reads the layout through its plain reference path."""
         if self._forward is not None:
             raise RuntimeError("begin_forward() while a forward is open; call end_forward() first.")
         slots, tables, starts, column = [], [], [], 0
@@ -247,7 +249,7 @@ class RaggedPagedCache(Cache):
             column += r.num_tokens
         view = RaggedKV(tuple(starts), tuple(r.num_tokens for r in rows),
                         tuple(r.start + r.num_tokens for r in rows), tuple(tables),
-                        tuple(r.new_token_mask for r in rows))
+                        tuple(r.new_token_mask for r in rows), reference=reference)
         self._forward = (list(rows), torch.tensor(slots, dtype=torch.long, device=device), view)
         return view
 

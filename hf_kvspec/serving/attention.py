@@ -16,16 +16,20 @@ No mask function is registered on purpose: for an attention implementation absen
 ``AttentionMaskInterface`` transformers builds no mask and passes ``attention_mask=None`` (the path it keeps
 for vLLM/TGI kernels), so nothing of size ``T x S`` is built for the packed run; each row's mask is built here.
 
-Two paths, compared in ``tests/serving/test_attention.py``:
+Two paths, compared in ``tests/serving/test_attention.py`` (and whole forwards in ``tests/serving/test_runner.py``):
     fast       ``ragged_attention``: rows with one new token and no custom mask (decode rows) are gathered
-               into one padded batch ``[Bd, Hkv, S_max, D]`` with a key-length mask — one SDPA call for all
-               of them; every other row (a prefill chunk, a draft) gets its own call with its own bottom-right
-               causal (or tree) mask. Row masks are built once per forward and reused by every layer.
+               into padded batches ``[Bd, Hkv, S_max, D]`` with a key-length mask — one SDPA call per group of
+               decode rows, the groups chosen by ``split_by_length`` so that a few long rows do not pad many
+               short ones (rows of one length need no mask at all); every other row (a prefill chunk, a draft)
+               gets its own call with its own bottom-right causal (or tree) mask. Groups and masks are built once
+               per forward and reused by every layer; a single call over the whole run returns its result as is.
     reference  ``reference_ragged_attention``: row by row through ``reference_paged_attention`` (token-by-token
-               gather, ``repeat_kv``, eager softmax) with masks written out element by element.
+               gather, ``repeat_kv``, eager softmax) with masks written out element by element. A ``RaggedKV``
+               built with ``reference=True`` (``ForwardRunner(..., reference=True)``) sends every layer there.
 
 Deviation from vLLM's kernels: the pages a row reads are gathered once per layer (stock torch ops on CPU),
-not streamed block by block.
+not streamed block by block. Keeping a contiguous copy per sequence instead would cost the same copy
+(``DynamicCache`` concatenates its whole history every step), so the gather stays.
 
 Shape legend: T packed new tokens · Hq / Hkv query / KV heads · D head dim · Dv value head dim · S keys of a
 row (stored + new) · Bd decode rows · M blocks per row · N blocks · P block size · W sliding window.
@@ -33,6 +37,7 @@ row (stored + new) · Bd decode rows · M blocks per row · N blocks · P block 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -51,7 +56,7 @@ class _Group:
     columns: torch.Tensor | slice  # packed query columns of the group, row-major
     block_tables: torch.Tensor  # [B, M] (padded with block 0: R2 of cache/ragged.py keeps pages finite)
     kv_length: int  # S of the gather (the longest row's)
-    mask: torch.Tensor  # [B, 1, Tg, S] bool, True = attend
+    mask: torch.Tensor | None  # [B, 1, Tg, S] bool, True = attend; None: every gathered key is visible
     batched: bool  # True: B decode rows of one token each; False: one row of Tg tokens
 
 
@@ -77,6 +82,33 @@ def _check_window(view: RaggedKV, window: int | None) -> None:
 
 
 # ---- the fast path ---------------------------------------------------------------------------------------
+#: Cost model of one decode group, in key rows: a call (two gathers and one SDPA) costs about as much fixed work as
+#: attending this many extra key rows, so decode rows of very different lengths are split into groups
+#: (``split_by_length``) only when the padding saved outweighs the extra calls. Speed only; results do not depend on it.
+CALL_COST_IN_KEY_ROWS = 256
+
+
+def split_by_length(lengths: Sequence[int], call_cost: int | None = None) -> list[list[int]]:
+    """Rows ``0..len(lengths)-1`` partitioned into groups minimising ``sum(call_cost + rows · longest)`` over the
+    groups (each group is padded to its longest row). An optimal partition of rows sorted by length is contiguous,
+    so a dynamic programme over the sorted order finds it in ``O(rows²)``. Each group lists its rows in index order.
+    ``call_cost``: default ``CALL_COST_IN_KEY_ROWS``."""
+    call_cost = CALL_COST_IN_KEY_ROWS if call_cost is None else call_cost
+    order = sorted(range(len(lengths)), key=lengths.__getitem__)
+    best, cut = [0] + [float("inf")] * len(order), [0] * (len(order) + 1)
+    for end in range(1, len(order) + 1):  # best[end]: rows order[:end] grouped
+        longest = lengths[order[end - 1]]
+        for begin in range(end):
+            cost = best[begin] + call_cost + (end - begin) * longest
+            if cost < best[end]:
+                best[end], cut[end] = cost, begin
+    groups, end = [], len(order)
+    while end:
+        groups.append(sorted(order[cut[end]: end]))
+        end = cut[end]
+    return groups[::-1]
+
+
 def _groups(view: RaggedKV, window: int | None, device: torch.device) -> list[_Group]:
     """The SDPA calls of one forward (built once, reused by every layer with the same window)."""
     key = ("groups", window)
@@ -84,24 +116,36 @@ def _groups(view: RaggedKV, window: int | None, device: torch.device) -> list[_G
         _check_window(view, window)
         rows = range(len(view.query_lengths))
         decode = [r for r in rows if view.query_lengths[r] == 1 and view.new_token_masks[r] is None]
-        groups = [_decode_group(view, decode, window, device)] if decode else []
+        split = split_by_length([view.kv_lengths[r] for r in decode])
+        groups = [_decode_group(view, [decode[i] for i in part], window, device) for part in split]
         groups += [_row_group(view, r, window, device) for r in rows if r not in set(decode)]
         view.memo[key] = groups
     return view.memo[key]
 
 
+def _columns(starts: list[int], device: torch.device) -> torch.Tensor | slice:
+    """Packed columns as a slice when consecutive (a view of the query, no copy), else an index tensor."""
+    if starts == list(range(starts[0], starts[0] + len(starts))):
+        return slice(starts[0], starts[0] + len(starts))
+    return torch.tensor(starts, device=device)
+
+
 def _decode_group(view: RaggedKV, rows: list[int], window: int | None, device: torch.device) -> _Group:
-    lengths = torch.tensor([view.kv_lengths[r] for r in rows], device=device)  # [Bd]
+    lengths = [view.kv_lengths[r] for r in rows]
     width = max(len(view.block_tables[r]) for r in rows)
     tables = torch.zeros(len(rows), width, dtype=torch.long, device=device)
     for i, r in enumerate(rows):
         tables[i, : len(view.block_tables[r])] = view.block_tables[r]
-    keys = torch.arange(int(lengths.max()), device=device)[None, :]  # [1, S_max]
-    keep = keys < lengths[:, None]  # the query sits at position S_r - 1
-    if window is not None:
-        keep &= keys > lengths[:, None] - 1 - window
-    columns = torch.tensor([view.query_starts[r] for r in rows], device=device)
-    return _Group(columns, tables, int(lengths.max()), keep[:, None, None, :], batched=True)
+    mask = None  # rows of one length, no window: every gathered key is visible, SDPA needs no mask
+    if window is not None or min(lengths) != max(lengths):
+        length = torch.tensor(lengths, device=device)[:, None]  # [Bd, 1]
+        keys = torch.arange(max(lengths), device=device)[None, :]  # [1, S_max]
+        keep = keys < length  # the query sits at position S_r - 1
+        if window is not None:
+            keep &= keys > length - 1 - window
+        mask = keep[:, None, None, :]
+    columns = _columns([view.query_starts[r] for r in rows], device)
+    return _Group(columns, tables, max(lengths), mask, batched=True)
 
 
 def _row_group(view: RaggedKV, r: int, window: int | None, device: torch.device) -> _Group:
@@ -109,6 +153,10 @@ def _row_group(view: RaggedKV, r: int, window: int | None, device: torch.device)
     mask = row_mask(start, new_tokens, window, view.new_token_masks[r], device)
     columns = slice(view.query_starts[r], view.query_starts[r] + new_tokens)
     return _Group(columns, view.block_tables[r][None], view.kv_lengths[r], mask[None, None], batched=False)
+
+
+def _is_whole(columns: torch.Tensor | slice, tokens: int) -> bool:
+    return isinstance(columns, slice) and columns == slice(0, tokens)
 
 
 def ragged_attention(
@@ -121,8 +169,11 @@ def ragged_attention(
     window: int | None = None,
 ) -> torch.Tensor:  # [1, T, Hq, Dv]
     """Attention of every packed row over its own pages (fast path; see the module docstring)."""
-    out = query.new_empty(query.shape[2], query.shape[1], value_pages.shape[-1])  # [T, Hq, Dv]
-    for group in _groups(view, window, query.device):
+    if view.reference:
+        return reference_ragged_attention(query, key_pages, value_pages, view, scaling, softcap, window)
+    groups = _groups(view, window, query.device)
+    out = None
+    for group in groups:
         if group.batched:
             rows_query = query[0, :, group.columns].transpose(0, 1)[:, :, None]  # [Bd, Hq, 1, D]
         else:
@@ -130,7 +181,12 @@ def ragged_attention(
         keys = gather_blocks(key_pages, group.block_tables, group.kv_length)  # [B, Hkv, S, D]
         values = gather_blocks(value_pages, group.block_tables, group.kv_length)
         result = grouped_attention(rows_query, keys, values, group.mask, scaling, softcap, is_causal=False)
-        out[group.columns] = result[:, 0] if group.batched else result[0]  # [Bd, Hq, Dv] / [Tg, Hq, Dv]
+        result = result[:, 0] if group.batched else result[0]  # [Bd, Hq, Dv] / [Tg, Hq, Dv]
+        if len(groups) == 1 and _is_whole(group.columns, query.shape[2]):
+            return result[None]  # one call covered the whole packed run, in order: no copy
+        if out is None:
+            out = query.new_empty(query.shape[2], query.shape[1], value_pages.shape[-1])  # [T, Hq, Dv]
+        out[group.columns] = result
     return out[None]
 
 

@@ -343,7 +343,8 @@ class Engine:
         settings = settings_from_generation_config(generation_config) if generation_config is not None else {}
         ids = [self.add_request(prompt, **{**settings, **kwargs}) for prompt in prompts]
         pending = set(ids)
-        with tqdm(total=len(ids), disable=not progress_bar, desc="Engine.generate_batch") as bar:
+        with tqdm(total=len(ids), disable=not progress_bar, desc="Engine.generate_batch") as bar, \
+                self.runner.kernels_held():
             while pending:
                 finished = [d.request_id for d in self.step() if d.finished and d.request_id in pending]
                 pending.difference_update(finished)

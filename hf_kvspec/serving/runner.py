@@ -23,9 +23,8 @@ Shape legend: T packed tokens of the round · K logits rows kept · V vocabulary
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -70,12 +69,40 @@ class ForwardRow:
         return cls(row.request.request_id, tokens, row.start, logits_at=(row.num_tokens - 1,) if row.samples else ())
 
 
-class ForwardRunner:
-    """Builds the packed inputs of a round and runs the model over them."""
+def kernels_apply(model) -> bool:
+    """True when the decode kernels can help ``model``: fp32 weights on CPU."""
+    weight = next(model.parameters(), None)
+    return weight is not None and weight.device.type == "cpu" and weight.dtype == torch.float32
 
-    def __init__(self, model, cache: RaggedPagedCache):
+
+def _kernels_for(model):
+    """A (not yet opened) ``DecodeKernels`` over ``model`` that routes only inside ``routing()`` blocks and shares
+    the kernel choices ``speculative_generate`` remembers on disk."""
+    from hf_kvspec.kernels.linear import DecodeKernels, default_plans_file
+
+    return DecodeKernels(model, route_on_enter=False, plans_file=default_plans_file())
+
+
+class ForwardRunner:
+    """Builds the packed inputs of a round and runs the model over them.
+
+    Args:
+        model, cache: the model and its ``RaggedPagedCache``.
+        reference: attend through ``kvspec_ragged``'s plain row-by-row reference and keep torch's stock linear
+            kernels (slow; the oracle the fast path is tested against).
+        decode_kernels: route the forward's ``F.linear`` calls through ``hf_kvspec.DecodeKernels`` (prepacked
+            weights: a round's few decode rows and its few logits rows, the LM head above all, run faster than
+            with stock MKL, which repacks the weight per call). ``None``: on for fp32 models on CPU, unless
+            ``reference``. Outputs differ from stock only by fp32 summation order.
+    """
+
+    def __init__(self, model, cache: RaggedPagedCache, reference: bool = False, decode_kernels: bool | None = None):
         self.model, self.cache = model, cache
         self.device = model.device
+        self.reference = reference
+        if decode_kernels is None:
+            decode_kernels = not reference and kernels_apply(model)
+        self.kernels = _kernels_for(model) if decode_kernels else None
 
     def pack(self, rows: Sequence[ForwardRow]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(input_ids [1, T], position_ids [1, T], logits_columns [K])`` of the rows, in row order."""
@@ -99,13 +126,24 @@ class ForwardRunner:
         ``feature_layers``, for drafters that read them; ``None`` without layers)."""
         input_ids, position_ids, logits_columns = self.pack(rows)
         self.cache.begin_forward([RaggedRow(r.seq_id, r.start, len(r.token_ids), r.new_token_mask) for r in rows],
-                                 self.device)
-        capture = FeatureCapture(self.model, feature_layers) if feature_layers else contextlib.nullcontext()
+                                 self.device, reference=self.reference)
+        capture = FeatureCapture(self.model, feature_layers) if feature_layers else nullcontext()
         # no_grad, not inference_mode: pages made inside inference mode could not be copied (copy-on-write) outside it
-        with torch.no_grad(), ragged_attention_switched(self.model), capture:
+        with torch.no_grad(), ragged_attention_switched(self.model), self.kernels_held(routing=True), capture:
             out = self.model(input_ids=input_ids, position_ids=position_ids, cache=self.cache, use_cache=True,
                              logits_to_keep=logits_columns)
         return out.logits[0], capture.features()[0] if feature_layers else None
+
+    @contextmanager
+    def kernels_held(self, routing: bool = False):
+        """Keep the decode kernels open across the rounds run inside the block (a serving loop, ``generate_batch``):
+        opening them walks the model's modules, which a round would otherwise pay each time. A no-op without
+        decode kernels. ``routing``: also route ``F.linear`` calls inside the block (the forward's own use)."""
+        if self.kernels is None:
+            yield
+            return
+        with self.kernels, (self.kernels.routing() if routing else nullcontext()):
+            yield
 
     def run(self, rows: Sequence[ScheduledRow]) -> torch.Tensor:  # [K, V]
         """A round's scheduled rows; logits of the rows that sample, in order."""

@@ -3,15 +3,19 @@ reference, and its masks against masks written element by element."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from hf_kvspec.cache.ragged import RaggedKV
+from hf_kvspec.serving import attention
 from hf_kvspec.serving.attention import (
     ragged_attention,
     reference_ragged_attention,
     reference_row_mask,
     row_mask,
+    split_by_length,
 )
 
 # fp32 SDPA vs einsum-softmax on D=16: reassociation error ~1e-7 per element; 1e-5 leaves margin
@@ -82,3 +86,68 @@ def test_tree_mask_on_a_sliding_window_layer_is_refused():
 def test_row_mask_matches_the_element_by_element_mask(start, new, window):
     assert torch.equal(row_mask(start, new, window, None, torch.device("cpu")),
                        reference_row_mask(start, new, window, None))
+
+
+# ---- decode rows grouped by length ----------------------------------------------------------------------
+def partitions(items: list[int]):
+    """Every set partition of ``items`` (the brute-force oracle of ``split_by_length``)."""
+    if not items:
+        yield []
+        return
+    first, rest = items[0], items[1:]
+    for partition in partitions(rest):
+        yield [[first], *partition]
+        for i in range(len(partition)):
+            yield [*partition[:i], [first, *partition[i]], *partition[i + 1:]]
+
+
+def grouping_cost(groups, lengths, call_cost):
+    return sum(call_cost + len(g) * max(lengths[r] for r in g) for g in groups)
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("call_cost", [0, 5, 40, 1000])
+def test_split_by_length_finds_the_cheapest_partition(seed, call_cost):
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, 60, (int(torch.randint(1, 7, (1,), generator=gen)),), generator=gen).tolist()
+    groups = split_by_length(lengths, call_cost)
+    assert sorted(r for g in groups for r in g) == list(range(len(lengths)))
+    assert all(g == sorted(g) for g in groups)
+    best = min(grouping_cost(p, lengths, call_cost) for p in partitions(list(range(len(lengths)))))
+    assert grouping_cost(groups, lengths, call_cost) == best
+    if call_cost >= 1000:
+        assert len(groups) == 1  # a call costs more than any padding of these short rows
+
+
+@pytest.mark.parametrize("groups", [1, 3])
+@pytest.mark.parametrize("window", [None, 5])
+def test_decode_rows_split_into_several_calls_match_reference(groups, window, monkeypatch):
+    """With calls free, every distinct decode length gets its own SDPA call (rows of one length share it,
+    unmasked when no window applies); prefill rows sit between them in the packed order."""
+    monkeypatch.setattr(attention, "CALL_COST_IN_KEY_ROWS", 0)
+    rows = [(9, 1), (30, 1), (0, 5), (9, 1), (2, 1), (30, 1), (6, 3), (9, 1)]
+    query, key_pages, value_pages, view = ragged_case(rows, groups, seed=5)
+    got = ragged_attention(query, key_pages, value_pages, view, 0.25, None, window)
+    expected = reference_ragged_attention(query, key_pages, value_pages, view, 0.25, None, window)
+    torch.testing.assert_close(got, expected, **TOL)
+    calls = attention._groups(view, window, torch.device("cpu"))
+    batched = [g for g in calls if g.batched]
+    assert [g.kv_length for g in batched] == [3, 10, 31]
+    assert all((g.mask is None) == (window is None) for g in batched)
+
+
+def test_one_decode_call_over_the_whole_run_is_returned_without_a_copy():
+    rows = [(12, 1), (12, 1), (12, 1)]
+    query, key_pages, value_pages, view = ragged_case(rows, 3, seed=7)
+    got = ragged_attention(query, key_pages, value_pages, view, 0.25)
+    torch.testing.assert_close(got, reference_ragged_attention(query, key_pages, value_pages, view, 0.25), **TOL)
+    (group,) = attention._groups(view, None, torch.device("cpu"))
+    assert group.mask is None and group.columns == slice(0, 3)
+
+
+def test_the_reference_flag_routes_to_the_reference():
+    rows = [(9, 1), (0, 6), (3, 1)]
+    query, key_pages, value_pages, view = ragged_case(rows, 3, seed=8)
+    flagged = dataclasses.replace(view, reference=True)
+    assert torch.equal(ragged_attention(query, key_pages, value_pages, flagged, 0.25),
+                       reference_ragged_attention(query, key_pages, value_pages, view, 0.25))

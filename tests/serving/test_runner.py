@@ -97,3 +97,57 @@ def test_rollback_into_a_shared_prefix_block_copies_it(llama):
     assert cache.num_total_blocks() - cache.num_free_blocks() == used_before + 3
     torch.testing.assert_close(logits[0], plain_last_logits(llama, prompt[:6] + new), **TOL)
     torch.testing.assert_close(logits[1], plain_last_logits(llama, [*prompt, 5]), **TOL)
+
+
+def mixed_rounds(runner, cache, prompts):
+    """Prefill chunks beside decode rows, then decode rounds: the logits of every round, [K, V] each."""
+    for seq_id, ids in enumerate(prompts):
+        cache.add_sequence(seq_id, ids)
+    rounds = [forward(runner, cache, [ForwardRow(0, prompts[0], 0, logits_at=(len(prompts[0]) - 1,))])]
+    rounds.append(forward(runner, cache, [ForwardRow(0, [5], len(prompts[0]), logits_at=(0,)),
+                                          ForwardRow(1, prompts[1][:7], 0), ForwardRow(2, prompts[2], 0, logits_at=(2,))]))
+    for step in range(3):
+        rows = [ForwardRow(0, [6 + step], cache.length(0), logits_at=(0,)),
+                ForwardRow(2, [9 + step], cache.length(2), logits_at=(0,))]
+        if step == 0:
+            rows.insert(1, ForwardRow(1, prompts[1][7:], 7, logits_at=(len(prompts[1]) - 8,)))
+        else:
+            rows.append(ForwardRow(1, [3 + step], cache.length(1), logits_at=(0,)))
+        rounds.append(forward(runner, cache, rows))
+    return rounds
+
+
+@pytest.mark.parametrize("kind", ["llama", "gemma2"])  # gemma2: sliding-window layers and soft-capping
+def test_fast_forwards_match_the_reference_path(kind):
+    model = tiny_model(kind)
+    register_ragged_attention()
+    prompts = random_prompts([11, 19, 3], seed=41)
+    runs = []
+    for reference in (False, True):
+        cache = RaggedPagedCache(model.config, num_blocks=32, block_size=4)
+        runner = ForwardRunner(model, cache, reference=reference)
+        assert (runner.kernels is None) == reference  # the reference keeps torch's stock linear kernels
+        runs.append(mixed_rounds(runner, cache, prompts))
+    for fast, reference in zip(*runs):
+        torch.testing.assert_close(fast, reference, **TOL)
+
+
+def test_decode_kernels_route_the_forward_and_match_stock(llama):
+    """Forced prepacked kernels on every linear (the tiny model's are below the default size floor) give the
+    stock forward's logits within fp32 reassociation."""
+    from hf_kvspec.kernels.linear import DecodeKernels
+    from hf_kvspec.kernels.ops import onednn_available
+
+    prompts = random_prompts([11, 19, 3], seed=42)
+    kernel = "onednn" if onednn_available() else "transposed"
+    runs = []
+    for kernels in (DecodeKernels(llama, route_on_enter=False, min_weight_elements=0, force=kernel), None):
+        cache = RaggedPagedCache(llama.config, num_blocks=32, block_size=4)
+        runner = ForwardRunner(llama, cache, decode_kernels=False)
+        runner.kernels = kernels
+        with runner.kernels_held():
+            runs.append(mixed_rounds(runner, cache, prompts))
+        if kernels is not None:
+            assert kernels.calls[kernel] > 0
+    for routed, stock in zip(*runs):
+        torch.testing.assert_close(routed, stock, **TOL)
