@@ -344,7 +344,7 @@ class Engine:
         ids = [self.add_request(prompt, **{**settings, **kwargs}) for prompt in prompts]
         pending = set(ids)
         with tqdm(total=len(ids), disable=not progress_bar, desc="Engine.generate_batch") as bar, \
-                self.runner.kernels_held():
+                self.runner.held_across_rounds():
             while pending:
                 finished = [d.request_id for d in self.step() if d.finished and d.request_id in pending]
                 pending.difference_update(finished)

@@ -39,8 +39,12 @@ from .scheduler import ScheduledRow
 
 @contextmanager
 def ragged_attention_switched(model):
-    """The model attends with ``kvspec_ragged`` inside the block and with what it had before, after."""
+    """The model attends with ``kvspec_ragged`` inside the block and with what it had before, after (a no-op when
+    it already does: the switch walks every module, so a serving loop holds it across rounds)."""
     previous = _compat.attn_implementation(model.config)
+    if previous == ATTN_NAME:
+        yield
+        return
     model.set_attn_implementation(ATTN_NAME)
     try:
         yield
@@ -129,16 +133,23 @@ class ForwardRunner:
                                  self.device, reference=self.reference)
         capture = FeatureCapture(self.model, feature_layers) if feature_layers else nullcontext()
         # no_grad, not inference_mode: pages made inside inference mode could not be copied (copy-on-write) outside it
-        with torch.no_grad(), ragged_attention_switched(self.model), self.kernels_held(routing=True), capture:
+        with torch.no_grad(), ragged_attention_switched(self.model), self._kernels(routing=True), capture:
             out = self.model(input_ids=input_ids, position_ids=position_ids, cache=self.cache, use_cache=True,
                              logits_to_keep=logits_columns)
         return out.logits[0], capture.features()[0] if feature_layers else None
 
     @contextmanager
-    def kernels_held(self, routing: bool = False):
-        """Keep the decode kernels open across the rounds run inside the block (a serving loop, ``generate_batch``):
-        opening them walks the model's modules, which a round would otherwise pay each time. A no-op without
-        decode kernels. ``routing``: also route ``F.linear`` calls inside the block (the forward's own use)."""
+    def held_across_rounds(self):
+        """Keep what every forward sets up and tears down — the switch to ``kvspec_ragged`` and the open decode
+        kernels, each of which walks the model's modules — in place for the rounds run inside the block (a serving
+        loop, ``Engine.generate_batch``). Inside it the model attends with ``kvspec_ragged``: nothing else should
+        run the model there."""
+        with ragged_attention_switched(self.model), self._kernels():
+            yield
+
+    @contextmanager
+    def _kernels(self, routing: bool = False):
+        """The decode kernels open (a no-op without them); ``routing``: also route ``F.linear`` calls."""
         if self.kernels is None:
             yield
             return

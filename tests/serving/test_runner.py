@@ -145,9 +145,26 @@ def test_decode_kernels_route_the_forward_and_match_stock(llama):
         cache = RaggedPagedCache(llama.config, num_blocks=32, block_size=4)
         runner = ForwardRunner(llama, cache, decode_kernels=False)
         runner.kernels = kernels
-        with runner.kernels_held():
+        with runner.held_across_rounds():
             runs.append(mixed_rounds(runner, cache, prompts))
         if kernels is not None:
             assert kernels.calls[kernel] > 0
     for routed, stock in zip(*runs):
         torch.testing.assert_close(routed, stock, **TOL)
+
+
+def test_held_across_rounds_keeps_the_switch_and_restores_it(llama):
+    from hf_kvspec import _compat
+
+    before = _compat.attn_implementation(llama.config)
+    cache = RaggedPagedCache(llama.config, num_blocks=32, block_size=4)
+    runner = ForwardRunner(llama, cache)
+    prompts = random_prompts([5, 8, 3], seed=43)
+    with runner.held_across_rounds():
+        assert _compat.attn_implementation(llama.config) == "kvspec_ragged"
+        held = mixed_rounds(runner, cache, prompts)
+        assert _compat.attn_implementation(llama.config) == "kvspec_ragged"
+    assert _compat.attn_implementation(llama.config) == before != "kvspec_ragged"
+    other = RaggedPagedCache(llama.config, num_blocks=32, block_size=4)
+    for got, expected in zip(held, mixed_rounds(ForwardRunner(llama, other), other, prompts)):
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)  # same kernels and calls: bitwise equal
