@@ -332,8 +332,8 @@ def test_negative_control_path_blind_processors_are_caught(target, monkeypatch):
 def test_a_window_too_small_for_the_tree_is_refused_before_any_forward(target):
     ids, mask = batch(1)
     drafter = TreeDrafter("random", _plain(target, ids, mask), per_row=False, vocab=target.config.vocab_size)
-    # KIVI keeps positions only inside its full-precision window (per-channel key groups); tree: 7 nodes + root
-    cache = hf_kvspec.QuantizedKVCache(target.config, method="kivi", bits=4, group_size=4, residual_length=4)
+    # KIVI keeps positions only in its window (int8/fp8 keep them among codes too): 16 - 16 + 1 < 7 nodes + root
+    cache = hf_kvspec.QuantizedKVCache(target.config, bits=4, group_size=16, residual_length=16)
     calls = []
     handle = target.register_forward_hook(lambda *args: calls.append(1))
     try:
