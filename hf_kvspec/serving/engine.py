@@ -344,12 +344,18 @@ class Engine:
         ids = [self.add_request(prompt, **{**settings, **kwargs}) for prompt in prompts]
         pending = set(ids)
         with tqdm(total=len(ids), disable=not progress_bar, desc="Engine.generate_batch") as bar, \
-                self.runner.held_across_rounds():
+                self.hold_rounds():
             while pending:
                 finished = [d.request_id for d in self.step() if d.finished and d.request_id in pending]
                 pending.difference_update(finished)
                 bar.update(len(finished))
         return [self.get_output(request_id) for request_id in ids]
+
+    def hold_rounds(self):
+        """The runner's set-up held across the rounds of a serving loop (``ForwardRunner.held_across_rounds``); with
+        an assistant only the decode kernels are held, since drafting may run the target outside the engine's
+        attention."""
+        return self.runner.held_across_rounds(attention=self.drafters is None)
 
     def telemetry(self) -> dict:
         """Engine-wide figures now: running / waiting counts, block use, tokens per forward, preemptions, prefix

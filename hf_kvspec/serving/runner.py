@@ -139,12 +139,13 @@ class ForwardRunner:
         return out.logits[0], capture.features()[0] if feature_layers else None
 
     @contextmanager
-    def held_across_rounds(self):
+    def held_across_rounds(self, attention: bool = True):
         """Keep what every forward sets up and tears down — the switch to ``kvspec_ragged`` and the open decode
         kernels, each of which walks the model's modules — in place for the rounds run inside the block (a serving
-        loop, ``Engine.generate_batch``). Inside it the model attends with ``kvspec_ragged``: nothing else should
-        run the model there."""
-        with ragged_attention_switched(self.model), self._kernels():
+        loop, ``Engine.generate_batch``). With ``attention`` the model attends with ``kvspec_ragged`` inside the
+        block, so nothing else may run the model there: an engine whose drafters may run the target (a draft model
+        that is the target, self-drafting) holds the kernels only (``Engine.hold_rounds``)."""
+        with ragged_attention_switched(self.model) if attention else nullcontext(), self._kernels():
             yield
 
     @contextmanager

@@ -101,7 +101,7 @@ def run_engine(make_engine: Callable, prompts, arrivals, max_new_tokens: int) ->
     traces = [Trace(start + a) for a in arrivals]
     ids: dict[int, int] = {}  # engine request id -> index
     pending = 0
-    with engine.runner.held_across_rounds():
+    with engine.hold_rounds():
         while pending < len(prompts) or engine.has_unfinished():
             while pending < len(prompts) and traces[pending].arrival <= time.perf_counter():
                 ids[engine.add_request(prompts[pending], max_new_tokens=max_new_tokens)] = pending

@@ -269,3 +269,14 @@ def test_sampling_with_drafts_keeps_the_models_distribution_tv(kind):
     # draft (no rejection step) puts ~all mass on (3, 4): TV > 0.5; 0.08 leaves four spreads of margin.
     assert tv < 0.08, f"TV {tv:.3f}"
     assert_pool_full(engine)
+
+
+def test_generate_batch_with_the_target_as_its_own_draft_model(llama):
+    """generate_batch holds the runner's set-up across rounds; a draft model that is the target itself must still
+    run with its own attention there (the hold keeps the kernels only when the engine has an assistant)."""
+    prompts = random_prompts([5, 9, 7], seed=3)
+    engine = Engine(llama, None, kv_budget=64, block_size=4, max_tokens_per_round=32, max_running=4,
+                    assistant=DraftModelAssistant(llama, num_draft_tokens=3))
+    outputs = engine.generate_batch(prompts, max_new_tokens=6, progress_bar=False)
+    assert [o.output_ids for o in outputs] == [greedy_reference(llama, p, 6) for p in prompts]
+    assert_pool_full(engine)
