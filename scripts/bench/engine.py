@@ -58,8 +58,8 @@ class Trace:
 # ---- workload ---------------------------------------------------------------------------------------------
 def build_workload(tokenizer, num_requests: int, seed: int = 0) -> list[list[int]]:
     """Prompt ids of ``num_requests`` requests (see the module docstring), in arrival order."""
-    from bench.spec import BATCH_SUMMARIES
     from bench.spec_defaults import load_prompts
+    from bench.spec_inputs import BATCH_SUMMARIES
 
     chats = load_prompts("chat", num_requests)
     rng = random.Random(seed)

@@ -157,9 +157,9 @@ def _token_inputs(prompt: list[int]) -> dict:
 
 
 def _chat(tokenizer, prompt: str) -> dict:
-    from bench.spec import _chat_inputs
+    from bench.spec_inputs import chat_inputs
 
-    return dict(_chat_inputs(tokenizer, [prompt]))
+    return dict(chat_inputs(tokenizer, [prompt]))
 
 
 def _load(args):
