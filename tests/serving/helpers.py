@@ -34,3 +34,16 @@ def assert_pool_full(engine: Engine) -> None:
     assert cache.seq_ids == [] and cache.tables.num_rows == 0
     assert cache.num_free_blocks() == cache.num_total_blocks()
     assert all(cache.pool.ref_count(b) == 0 for b in range(cache.num_total_blocks()))
+
+
+def run_with_arrivals(engine, prompts, max_new: list[int], arrivals: dict[int, list[int]]) -> list[int]:
+    """Step ``engine`` until every request is done, adding prompt ``i`` before round ``r`` for each ``i`` in
+    ``arrivals[r]``; returns the request ids in arrival order."""
+    ids = []
+    for round_index in range(200):
+        for i in arrivals.get(round_index, []):
+            ids.append(engine.add_request(prompts[i], max_new_tokens=max_new[i]))
+        if round_index > max(arrivals) and not engine.has_unfinished():
+            break
+        engine.step()
+    return ids

@@ -10,7 +10,7 @@ from hf_kvspec.serving.engine import Engine
 from hf_kvspec.serving.request import FinishReason
 from tests.tiny_models import tiny_model
 
-from .helpers import assert_pool_full, greedy_reference, random_prompts, run_to_end
+from .helpers import assert_pool_full, greedy_reference, random_prompts, run_to_end, run_with_arrivals
 
 
 @pytest.fixture(scope="module")
@@ -41,13 +41,7 @@ def test_joins_and_leaves_between_rounds(llama):
     prompts = random_prompts([6, 21, 3, 14, 30, 8, 11], seed=1)
     max_new = [4, 12, 7, 16, 5, 9, 13]
     engine = Engine(llama, kv_budget=128, block_size=4, max_tokens_per_round=32, max_running=4)
-    ids, arrivals = [], {0: [0, 1], 2: [2], 3: [3, 4], 7: [5], 9: [6]}
-    for round_index in range(200):
-        for i in arrivals.get(round_index, []):
-            ids.append(engine.add_request(prompts[i], max_new_tokens=max_new[i]))
-        if round_index > max(arrivals) and not engine.has_unfinished():
-            break
-        engine.step()
+    ids = run_with_arrivals(engine, prompts, max_new, {0: [0, 1], 2: [2], 3: [3, 4], 7: [5], 9: [6]})
     for request_id, prompt, n in zip(ids, prompts, max_new):
         assert engine.get_output(request_id).output_ids == greedy_reference(llama, prompt, n)
     assert_pool_full(engine)

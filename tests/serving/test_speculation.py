@@ -24,7 +24,7 @@ from hf_kvspec.speculative.drafters.medusa import MedusaAssistant
 from hf_kvspec.speculative.drafters.ngram import NgramAssistant
 from tests.tiny_models import tiny_model
 
-from .helpers import assert_pool_full, greedy_reference, random_prompts, run_to_end
+from .helpers import assert_pool_full, greedy_reference, random_prompts, run_to_end, run_with_arrivals
 
 VOCAB = 12  # prompts over few ids repeat n-grams, so the n-gram drafter proposes often
 
@@ -106,13 +106,7 @@ def test_joins_and_leaves(llama, kind):
     max_new = [4, 12, 7, 16, 5, 9, 13]
     engine = Engine(llama, kv_budget=128, block_size=4, max_tokens_per_round=32, max_running=4,
                     assistant=make_assistant(kind, llama))
-    ids, arrivals = [], {0: [0, 1], 2: [2], 3: [3, 4], 7: [5], 9: [6]}
-    for round_index in range(200):
-        for i in arrivals.get(round_index, []):
-            ids.append(engine.add_request(prompts[i], max_new_tokens=max_new[i]))
-        if round_index > max(arrivals) and not engine.has_unfinished():
-            break
-        engine.step()
+    ids = run_with_arrivals(engine, prompts, max_new, {0: [0, 1], 2: [2], 3: [3, 4], 7: [5], 9: [6]})
     outputs = check_outputs(engine, llama, ids, prompts, max_new)
     drafted, accepted = drafted_and_accepted(engine)
     assert drafted > 0
