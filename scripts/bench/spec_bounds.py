@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import statistics
+import time
 from collections.abc import Mapping
 
 import torch
@@ -22,6 +23,26 @@ import torch
 COST_TOKENS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 28, 32, 40, 48, 56, 64, 96, 128)
 COLUMNS = ["batch", "mode", "method", "prompts", "nodes", "tau", "accept_by_depth", "c_v", "draft_steps", "bound",
            "speed_vs_plain", "speed_over_bound", "tokens_per_s", "equals_plain"]
+
+
+
+@torch.inference_mode()
+def forward_costs(model, context: int, low: int = 100, high: int = 10_000) -> dict[int, float]:
+    """Seconds of one target forward over T new tokens (T in ``COST_TOKENS``, random ids in ``low..high - 1``) after
+    a warm cache of ``context`` tokens; the T tokens are cropped again after each forward."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    model(torch.randint(low, high, (1, context)), cache=cache, use_cache=True)
+    seconds = {}
+    for tokens in COST_TOKENS:
+        ids = torch.randint(low, high, (1, tokens))
+        start = time.perf_counter()
+        model(ids, cache=cache, use_cache=True, logits_to_keep=tokens,
+              position_ids=torch.arange(context, context + tokens)[None])
+        seconds[tokens] = time.perf_counter() - start
+        cache.crop(-tokens)
+    return seconds
 
 
 def monotone(table: Mapping[int, float]) -> dict[int, float]:

@@ -28,8 +28,9 @@ import time
 
 import torch
 
+from bench import spec_bounds
 from bench.harness import Report
-from bench.spec_bounds import COST_TOKENS, interpolate, monotone, new_tokens
+from bench.spec_bounds import interpolate, monotone, new_tokens
 
 TITLE = "Lookahead decoding vs plain generate and NgramAssistant (exact; tau, c_v of the combined forward, bound)"
 COLUMNS = ["prompts", "mode", "method", "tau", "nodes", "fed", "c_v", "draft_steps", "bound", "tokens_per_s",
@@ -72,22 +73,9 @@ class FedTokens:
         self.handle.remove()
 
 
-@torch.inference_mode()
 def forward_costs(model, context: int, vocab: int) -> dict[int, float]:
     """Seconds of one target forward over T new tokens after a warm cache of ``context`` tokens."""
-    from transformers import DynamicCache
-
-    cache = DynamicCache(config=model.config)
-    model(torch.randint(3, vocab, (1, context)), cache=cache, use_cache=True)
-    seconds = {}
-    for tokens in COST_TOKENS:
-        ids = torch.randint(3, vocab, (1, tokens))
-        start = time.perf_counter()
-        model(ids, cache=cache, use_cache=True, logits_to_keep=tokens,
-              position_ids=torch.arange(context, context + tokens)[None])
-        seconds[tokens] = time.perf_counter() - start
-        cache.crop(-tokens)
-    return seconds
+    return spec_bounds.forward_costs(model, context, 3, vocab)
 
 
 def _generate(model, method: str, inputs: dict, sampling: dict, args, fed: FedTokens) -> dict:

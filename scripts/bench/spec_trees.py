@@ -29,8 +29,9 @@ import time
 
 import torch
 
+from bench import spec_bounds
 from bench.harness import Report
-from bench.spec_bounds import COLUMNS, COST_TOKENS, aggregate_rows, bound_notes, monotone
+from bench.spec_bounds import COLUMNS, aggregate_rows, bound_notes, monotone
 
 TITLE = "Medusa / EAGLE heads with tree verification on SmolLM2-135M (CPU): tau, bound and speed vs plain"
 HELD_OUT = "scripts/train_configs/chat_prompts_heldout.jsonl"
@@ -122,22 +123,9 @@ def _generate(model, heads, method: str, inputs: dict, sampling: dict, new_token
             "stats": getattr(out, "acceptance", None)}
 
 
-@torch.inference_mode()
 def forward_costs(model, context: int) -> dict[int, float]:
     """Seconds of one target forward over T new tokens (T in ``COST_TOKENS``) after a warm cache of ``context``."""
-    from transformers import DynamicCache
-
-    cache = DynamicCache(config=model.config)
-    model(torch.randint(100, 10_000, (1, context)), past_key_values=cache, use_cache=True)
-    seconds = {}
-    for tokens in COST_TOKENS:
-        ids = torch.randint(100, 10_000, (1, tokens))
-        start = time.perf_counter()
-        model(ids, past_key_values=cache, use_cache=True, logits_to_keep=tokens,
-              position_ids=torch.arange(context, context + tokens)[None])
-        seconds[tokens] = time.perf_counter() - start
-        cache.crop(-tokens)
-    return seconds
+    return spec_bounds.forward_costs(model, context)
 
 
 def _run_cells(model, heads, methods, cells, args, costs: dict) -> dict:
