@@ -4,7 +4,9 @@ with transformers as ``attn_implementation="kvspec_quant"`` (``AttentionInterfac
 Boundary: this module owns the attention math over a quantized layer's stored form and its registration; it
 imports no cache. The layer (``hf_kvspec.cache.quantized``) hands over a ``QuantizedKV`` (codes, sinks; see
 ``hf_kvspec.stored_kv``) when it was built for a model running ``kvspec_quant``, and dense keys/values otherwise.
-With nothing handed over (any other cache, a prefill, an empty store) the function is transformers' SDPA. Masks
+With nothing handed over (any other cache, a prefill, an empty store) the function is ``kvspec_gqa``
+(``hf_kvspec.attention.gqa``: SDPA that reads each grouped K/V head once, where transformers' sdpa copies it per
+query head under a mask, e.g. in every speculative verify forward over a full-precision cache). Masks
 (missing, bool, float, custom 4D, per head) follow ``hf_kvspec.attention.masks``, as transformers' sdpa does.
 
 Two paths, compared in ``tests/attention/test_quantized_attention.py``:
@@ -30,7 +32,7 @@ from __future__ import annotations
 
 import torch
 
-from hf_kvspec import _compat, stored_kv
+from hf_kvspec import stored_kv
 from hf_kvspec.attention.masks import explicit_mask, fold_mask, implicit_causal, masked_softmax
 from hf_kvspec.stored_kv import QuantizedKV
 
@@ -101,8 +103,10 @@ def quantized_attention_forward(
     """``AttentionInterface`` entry: ``(out [B, T, Hq, D], None)``."""
     quantized_kv = stored_kv.take(kwargs, QuantizedKV)
     if quantized_kv is None:
-        return _compat.sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
-                                              scaling=scaling, is_causal=is_causal, **kwargs)
+        from hf_kvspec.attention.gqa import gqa_attention_forward
+
+        return gqa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                     is_causal=is_causal, **kwargs)
     if dropout and module.training:
         raise ValueError(f"{ATTN_NAME} attention is inference-only; use attn_implementation='sdpa' to train.")
     for unsupported in ("softcap", "s_aux"):

@@ -14,6 +14,11 @@ Estimates (exponentially decayed so they follow the text):
     t_verify   a line t0 + slope * K fitted to (K, seconds) of past rounds; until two different K were seen
                the slope is a prior of 0.15 * t0 per token (REFERENCE.md §8: verifying 4 tokens ~1.6x a decode
                step on CPU).
+
+Priors an assistant may set before the first round of a call (``set_priors``): ``t_draft`` as a share of a
+decode step (until a draft was timed) and the first round's K (the best K of the priors; 0 when no K pays there,
+so a drafter that cannot win starts as plain decoding). The first round of every call is not timed: it pays
+one-time costs (weight packing of the decode kernels, first allocations) that are not the round's.
 """
 
 from __future__ import annotations
@@ -79,7 +84,31 @@ class AutoDraftLength(CallScoped):
         self.prior_slope_ratio = prior_slope_ratio
         self.reset()
 
+    prior_draft_ratio: float | None = None  # t_draft / t0 until a draft was timed (None: drafts look free)
+
+    def set_priors(self, draft_ratio: float, acceptance: float) -> None:
+        """Before a call's first round: a draft token costs ``draft_ratio`` decode steps and a draft is accepted
+        with probability ``acceptance`` (both from a cost model, e.g. bytes read); the first round drafts the K
+        these priors make best. Measured times and acceptance replace them as rounds come in."""
+        if not (isinstance(draft_ratio, (int, float)) and draft_ratio >= 0):
+            raise ValueError(f"draft_ratio must be >= 0 (decode steps per draft token), got {draft_ratio!r}")
+        if not (isinstance(acceptance, (int, float)) and 0 <= acceptance < 1):
+            raise ValueError(f"acceptance must be in [0, 1), got {acceptance!r}")
+        self.prior_draft_ratio = float(draft_ratio)
+        if self.verify_time.n == 0:  # nothing measured yet: start from the priors' best K
+            a, ratio = acceptance, self.prior_slope_ratio
+
+            def rate(k: int) -> float:
+                return (1 - a ** (k + 1)) / (1 - a) / (1 + ratio * k + draft_ratio * k)
+
+            self.last_choice = self.initial = max(range(self.max_draft_tokens + 1), key=rate)
+
+    def start_call(self, batch: int) -> None:
+        super().start_call(batch)
+        self.untimed = 1  # the call's first round (one-time costs)
+
     def reset(self) -> None:
+        self.untimed = 1
         self.accepted = 1.0  # prior: a = 0.5 worth one observation each way
         self.rejected = 1.0
         self.draft_time = _Decayed(self.decay)  # x = tokens drafted, y = seconds
@@ -98,7 +127,10 @@ class AutoDraftLength(CallScoped):
     def rate(self, k: int) -> float:
         """Expected tokens per second of a round with draft length k."""
         t0, slope = self.verify_time.line(self.prior_slope_ratio)
-        per_token = self.draft_time.sy / self.draft_time.sx if self.draft_time.sx > 0 else 0.0
+        if self.draft_time.sx > 0:
+            per_token = self.draft_time.sy / self.draft_time.sx
+        else:
+            per_token = (self.prior_draft_ratio or 0.0) * t0
         return self.expected_tokens(k) / (t0 + slope * k + per_token * k)
 
     def choose(self) -> int:
@@ -118,13 +150,17 @@ class AutoDraftLength(CallScoped):
     def update(self, outcome) -> None:
         """Fold in a ``RoundOutcome`` (num_draft_tokens, num_accepted [B] of the ``alive`` rows, seconds)."""
         k = outcome.num_draft_tokens
-        self.verify_time.add(k, outcome.verify_time_s)
+        timed = self.untimed == 0
+        self.untimed = max(self.untimed - 1, 0)
+        if timed:
+            self.verify_time.add(k, outcome.verify_time_s)
         if k == 0:
             return
         accepted = outcome.num_accepted[outcome.alive].tolist()
         self.accepted = self.decay * self.accepted + sum(accepted)
         self.rejected = self.decay * self.rejected + sum(n < k for n in accepted)
-        self.draft_time.add(k, outcome.draft_time_s)
+        if timed:
+            self.draft_time.add(k, outcome.draft_time_s)
 
 
 def _check_settings(max_draft_tokens, initial, probe_every, decay, prior_slope_ratio) -> None:

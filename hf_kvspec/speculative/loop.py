@@ -28,6 +28,7 @@ import torch
 
 from hf_kvspec import _compat
 from hf_kvspec.speculative.buffer import TokenBuffer
+from hf_kvspec.speculative.call_attention import call_attention as switched_attention
 from hf_kvspec.speculative.drafters.base import Assistant, DraftContext, DraftProposal, RoundOutcome
 from hf_kvspec.speculative.drafters.features import FeatureCapture
 from hf_kvspec.speculative.in_use import exclusive_use
@@ -53,7 +54,7 @@ _MAX_ROUND_SLACK = 64  # history columns past max_length: one round's drafts
 
 def speculative_generate(model, input_ids, logits_processor, stopping_criteria, generation_config,
                          assistant: Assistant | None = None, decode_kernels: bool | None = None,
-                         synced_gpus: bool = False,
+                         call_attention: bool | None = None, synced_gpus: bool = False,
                          **model_kwargs):
     """``custom_generate`` entry point: ``model.generate(..., custom_generate=speculative_generate, assistant=A)``.
 
@@ -69,6 +70,11 @@ def speculative_generate(model, input_ids, logits_processor, stopping_criteria, 
     reported with the kernel chosen per row bucket in ``output.acceptance.kernels``. The routing is scoped to this
     call and thread (a ``TorchFunctionMode``); the model's modules are never changed. ``False`` keeps torch's stock
     kernels (the reference) and never imports ``hf_kvspec.kernels``; ``True`` asks for them wherever they apply.
+
+    ``call_attention`` (default None: on for a target running ``sdpa`` with grouped K/V heads): runs the call on
+    ``kvspec_gqa``, which reads each K/V head once where sdpa copies it per query head under a mask (every verify
+    forward), or on the attention the assistant declares (``Assistant.call_attention``); switched back when the
+    call ends (``call_attention.py``). ``False`` keeps the target's attention (the reference).
     """
     check_entry(assistant, logits_processor, stopping_criteria, generation_config)
     if synced_gpus:
@@ -77,17 +83,20 @@ def speculative_generate(model, input_ids, logits_processor, stopping_criteria, 
                                  streamer=_compat.generate_call_streamer())
     if decode_kernels is None:
         decode_kernels = kernels_apply(model)
-    if not decode_kernels:
-        return decoder.run(input_ids, model_kwargs)
-    from hf_kvspec.kernels.linear import DecodeKernels, default_plans_file
-
-    drafting = [module for module in assistant.kernel_modules() if isinstance(module, torch.nn.Module)]
-    with DecodeKernels(model, *drafting, route_on_enter=False, plans_file=default_plans_file()) as kernels:
-        decoder.kernels = kernels
-        try:
+    previous = _compat.attn_implementation(model.config)
+    with switched_attention(model, call_attention, assistant.call_attention) as switched:
+        decoder.stats.attention = f"{switched} (switched from {previous} for this call)" if switched else None
+        if not decode_kernels:
             return decoder.run(input_ids, model_kwargs)
-        finally:
-            decoder.stats.kernels = kernels.report()
+        from hf_kvspec.kernels.linear import DecodeKernels, default_plans_file
+
+        drafting = [module for module in assistant.kernel_modules() if isinstance(module, torch.nn.Module)]
+        with DecodeKernels(model, *drafting, route_on_enter=False, plans_file=default_plans_file()) as kernels:
+            decoder.kernels = kernels
+            try:
+                return decoder.run(input_ids, model_kwargs)
+            finally:
+                decoder.stats.kernels = kernels.report()
 
 
 def kernels_apply(model) -> bool:
@@ -194,7 +203,8 @@ class SpeculativeDecoder:
         target_cache = self.cache if self.assistant.shares_target_cache else None
         ctx = DraftContext(self.buffer, self.rows.history, num_draft, self.do_sample, self.rows.alive,
                            self.rows.process, target_cache=target_cache, max_depth=max_depth)
-        proposal = self.assistant.propose(ctx)
+        with self._draft_routing():
+            proposal = self.assistant.propose(ctx)
         if is_tree(proposal):
             check_tree_support(self.model, self.sliding)
         return cap_depth(proposal, max_depth)
@@ -204,6 +214,12 @@ class SpeculativeDecoder:
         sequence), where a weight read once pays; a one-row plain step runs stock (routing costs about what it
         would save there)."""
         rows = (plan.proposal.tokens.shape[1] + 1) * int(self.rows.alive.sum())
+        return self.kernels.routing() if self.kernels is not None and rows > 1 else contextlib.nullcontext()
+
+    def _draft_routing(self):
+        """The decode kernels' routing around drafting when several rows draft at once (a weight read once for
+        all rows pays there; one row drafts on torch's stock kernels, as a one-row plain step)."""
+        rows = int(self.rows.alive.sum())
         return self.kernels.routing() if self.kernels is not None and rows > 1 else contextlib.nullcontext()
 
     def _verify_forward(self, plan):

@@ -37,6 +37,7 @@ class AcceptanceStats:
     draft_lengths: list[int] = field(default_factory=list)  # K used by each round (auto K shows its choices)
     lossy_rules: list[str] = field(default_factory=list)  # names of lossy acceptance rules used (asked for)
     kernels: dict | None = None  # decode kernels' report (bytes held, kernel per row bucket), None when off
+    attention: str | None = None  # the target's attention for the call when it was switched (call_attention.py)
 
     @property
     def target_forwards(self) -> int:

@@ -62,17 +62,40 @@ def test_auto_k_falls_back_to_plain_decoding_and_probes():
     assert choices.count(0) >= 8 and max(choices) >= 1  # mostly plain decoding, with periodic probes
 
 
-def test_auto_k_takes_every_round_as_a_cost_sample():
-    """The prompt is prefilled in a forward of its own, so every round (the first one too) is a cost sample."""
+def test_auto_k_times_every_round_but_the_calls_first():
+    """The first round of a call pays one-time costs (kernel weight packing, first allocations): its acceptance
+    counts, its times do not; every later round (a plain step too) is a cost sample."""
     auto = AutoDraftLength(max_draft_tokens=8)
-    auto.update(_outcome(4, [4], draft_s=0.3, verify_s=0.5))  # the call's first round
-    assert (auto.verify_time.n, auto.verify_time.sx, auto.verify_time.sy) == (1, 4, 0.5)
-    assert (auto.draft_time.n, auto.draft_time.sx, auto.draft_time.sy) == (1, 4, 0.3)
+    auto.start_call(1)
+    auto.update(_outcome(4, [4], draft_s=3.0, verify_s=5.0))  # the call's first round: acceptance only
+    assert auto.verify_time.n == 0 and auto.draft_time.n == 0
     alpha = (auto.decay + 4) / (2 * auto.decay + 4)  # the decayed 1:1 prior plus 4 accepted, no rejection
     assert auto.alpha == pytest.approx(alpha)
+    auto.update(_outcome(4, [4], draft_s=0.3, verify_s=0.5))
+    assert (auto.verify_time.n, auto.verify_time.sx, auto.verify_time.sy) == (1, 4, 0.5)
+    assert (auto.draft_time.n, auto.draft_time.sx, auto.draft_time.sy) == (1, 4, 0.3)
     auto.update(_outcome(0, [0], draft_s=0.0, verify_s=0.1))  # a plain step: a verify sample only
     assert auto.verify_time.n == pytest.approx(1 + auto.decay) and auto.draft_time.n == 1
-    assert auto.alpha == pytest.approx(alpha)
+    auto.start_call(1)  # the next call's first round is untimed again, the estimates carry over
+    auto.update(_outcome(4, [4], draft_s=9.0, verify_s=9.0))
+    assert auto.draft_time.n == 1 and auto.draft_time.sy == pytest.approx(0.3)
+
+
+def test_auto_k_priors_choose_the_first_round_and_price_drafts():
+    """set_priors: the first K is the priors' best (0 where no draft pays), and an untimed draft costs the prior."""
+    costly = AutoDraftLength(max_draft_tokens=8)
+    costly.set_priors(draft_ratio=0.9, acceptance=0.6)  # a draft costs nearly a step: plain decoding pays more
+    assert costly.choose() == 0
+    cheap = AutoDraftLength(max_draft_tokens=8)
+    cheap.set_priors(draft_ratio=0.05, acceptance=0.8)
+    best = max(range(9), key=lambda k: (1 - 0.8 ** (k + 1)) / 0.2 / (1 + 0.15 * k + 0.05 * k))
+    assert cheap.choose() == best >= 3
+    cheap.update(_outcome(best, [best], draft_s=0.0, verify_s=1.0))  # first round: untimed
+    cheap.update(_outcome(0, [0], draft_s=0.0, verify_s=0.1))  # t0 = 0.1; no draft timed yet -> the prior prices them
+    t0, slope = cheap.verify_time.line(cheap.prior_slope_ratio)
+    assert cheap.rate(2) == pytest.approx(cheap.expected_tokens(2) / (t0 + 2 * slope + 2 * 0.05 * t0))
+    with pytest.raises(ValueError, match="acceptance"):
+        cheap.set_priors(0.1, 1.0)
 
 
 def test_auto_k_refuses_a_draft_as_costly_as_the_target():

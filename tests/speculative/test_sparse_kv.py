@@ -9,6 +9,7 @@ import torch
 from transformers import DynamicCache
 
 import hf_kvspec
+from hf_kvspec import _compat
 from hf_kvspec.cache.paged import PagedCache
 from hf_kvspec.memory import quantized_view_bytes
 from hf_kvspec.speculative.drafters.sparse_kv import SparseKVAssistant
@@ -132,8 +133,8 @@ def test_first_round_drafts_nothing_and_refusals():
     with pytest.raises(ValueError, match="window"):
         SparseKVAssistant(window=0)
     ids, mask = left_padded_batch(PROMPTS[:1])
-    with pytest.raises(ValueError, match="enable_quantized_attention"):
-        _generate(model, ids, mask, SparseKVAssistant(view="quantized"))
+    with pytest.raises(ValueError, match="enable_quantized_attention"):  # the switch turned off: refused early
+        _generate(model, ids, mask, SparseKVAssistant(view="quantized"), call_attention=False)
     quant_model = _target("quantized")
     cache = hf_kvspec.QuantizedKVCache(quant_model.config, **QUANT)
     with pytest.raises(ValueError, match="full-precision cache"):
@@ -172,3 +173,26 @@ def test_assistant_spec():
     assistant = make_assistant("sparse_kv:128", model, num_draft_tokens=3)
     assert isinstance(assistant, SparseKVAssistant) and assistant.window == 128 and assistant.view == "streaming"
     assert make_assistant("sparse_kv", model).window == 256
+
+
+def test_quantized_view_switches_the_target_for_the_call_only():
+    """A target left on sdpa: the call runs kvspec_quant (the view reads its codes through it) and switches back;
+    the output equals plain greedy on the untouched model, and the switch is recorded in the telemetry."""
+    model = tiny_model("llama")
+    ids, mask = left_padded_batch(PROMPTS[:2])
+    plain = _generate(model, ids, mask)
+    before = _compat.attn_implementation(model.config)
+    seen = []
+    assistant = _assistant("quantized", num_draft_tokens=3)
+    propose = assistant.propose
+
+    def recording(ctx):
+        seen.append(_compat.attn_implementation(model.config))
+        return propose(ctx)
+
+    assistant.propose = recording
+    out = _generate(model, ids, mask, assistant, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, plain)
+    assert seen and set(seen) == {"kvspec_quant"}
+    assert _compat.attn_implementation(model.config) == before
+    assert out.acceptance.attention == f"kvspec_quant (switched from {before} for this call)"

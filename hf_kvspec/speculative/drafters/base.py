@@ -163,6 +163,9 @@ class Assistant(abc.ABC):
     acceptance: str = "exact"
     #: the name recorded for a lossy ``acceptance`` (None: a generic name is recorded)
     lossy_rule: str | None = None
+    #: an hf_kvspec attention the target must run while this assistant drafts (``"kvspec_quant"``); the loop
+    #: switches the target to it for the call and back (``speculative/call_attention.py``); None: the loop's rule
+    call_attention: str | None = None
 
     def __init__(self, num_draft_tokens: int | str = 4, max_draft_tokens: int = 16):
         if num_draft_tokens != "auto" and not is_count(num_draft_tokens, minimum=0):

@@ -36,8 +36,12 @@ import torch
 
 from hf_kvspec.cache.views import StreamingView, check_readable, read_columns
 from hf_kvspec.speculative.drafters.base import Assistant, ChainDraft, DraftContext, DraftProposal
+from hf_kvspec.speculative.drafters.view_costs import ViewBytes, model_weight_bytes, touches_per_step, view_bytes
 
 VIEWS = ("streaming", "quantized")
+#: acceptance per draft assumed before any round was verified, per view (``autok.AutoDraftLength.set_priors``);
+#: lower than most measured (docs/long_context.md), so the priors do not overpromise
+PRIOR_ACCEPTANCE = {"streaming": 0.7, "quantized": 0.8}
 _QUANTIZED_TARGET = ("SparseKVAssistant(view='quantized') keeps the codes itself beside the target's full-precision "
                      "cache; a QuantizedKVCache target would be verified over codes, which is not the plain target. "
                      "Pass a DynamicCache (or PagedCache), or no cache.")
@@ -65,16 +69,19 @@ class SparseKVAssistant(Assistant):
             if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
                 raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}.")
         self.view, self.sink_tokens, self.window = view, sink_tokens, window
+        self.call_attention = "kvspec_quant" if view == "quantized" else None  # the loop switches for the call
         self.sample_drafts = sample_drafts
         self.max_draft_tokens = max_draft_tokens if num_draft_tokens == "auto" else max(num_draft_tokens, 1)
         self.quant = dict(bits=bits, group_size=group_size, residual_length=residual_length)
         self.model = None
         self.shadow = None  # view="quantized": QuantizedKVCache of the committed columns
         self.last_view_bytes = self.last_view_tokens = 0
+        self.touches = 1  # K/V touches per target step (view_costs.touches_per_step), set by check_target
 
     def check_target(self, target, cache) -> None:
         """Before the first forward: the view reads the target's cache by column (streaming), or keeps codes beside
         a full-precision cache through the fused attention (quantized)."""
+        self.touches = touches_per_step(cache)
         if self.view == "streaming":
             check_readable(cache)
             return
@@ -90,6 +97,23 @@ class SparseKVAssistant(Assistant):
         self.shadow = None
         if self.view == "quantized":
             self._check_fused_attention(target)
+        if self.auto is not None:  # the byte model's draft cost and first K until rounds are timed (view_costs.py)
+            self.auto.set_priors(self.read_bytes(buffer.tokens.shape[0], buffer.width - 1).draft_ratio,
+                                 PRIOR_ACCEPTANCE[self.view])
+
+    def read_bytes(self, batch: int, context: int) -> ViewBytes:
+        """Bytes a target step and a draft step read at ``batch`` rows x ``context`` cached columns (fp K/V in the
+        target's dtype; the quantized view at its code width)."""
+        config, dtype = self.model.config, self.model.dtype
+        weights = model_weight_bytes(self.model)
+        if self.view == "streaming":
+            return view_bytes(config, weights, batch, context, self.sink_tokens + self.window, dtype, self.touches)
+        from hf_kvspec.memory import kv_cache_bytes, quantized_view_bytes
+
+        quant = {k: v for k, v in self.quant.items() if v is not None}
+        codes = quantized_view_bytes(config, context, batch, dtype, sink_tokens=self.sink_tokens, **quant)
+        full = kv_cache_bytes(config, context, batch, dtype)
+        return ViewBytes(weights, full, codes, self.touches)
 
     def propose(self, ctx: DraftContext) -> DraftProposal:
         cache, buffer = ctx.target_cache, ctx.buffer
@@ -139,9 +163,10 @@ class SparseKVAssistant(Assistant):
         if _compat.attn_implementation(model.config) != ATTN_NAME:
             raise ValueError(f"SparseKVAssistant(view='quantized') drafts through the fused {ATTN_NAME} attention, "
                              f"which reads the codes; the target runs "
-                             f"{_compat.attn_implementation(model.config)!r}. Call "
-                             "hf_kvspec.enable_quantized_attention(model) first (it is plain SDPA over any other "
-                             "cache, so verification is unchanged).")
+                             f"{_compat.attn_implementation(model.config)!r}. Leave generate's call_attention "
+                             "unset (the call then switches to it and back), or call "
+                             "hf_kvspec.enable_quantized_attention(model) first (over any other cache it is SDPA "
+                             "reading grouped K/V once, so verification is unchanged).")
 
     def select_rows(self, index: torch.Tensor) -> None:
         if self.shadow is not None and self.shadow.get_seq_length() > 0:
