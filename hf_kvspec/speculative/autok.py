@@ -18,7 +18,9 @@ Estimates (exponentially decayed so they follow the text):
 Priors an assistant may set before the first round of a call (``set_priors``): ``t_draft`` as a share of a
 decode step (until a draft was timed) and the first round's K (the best K of the priors; 0 when no K pays there,
 so a drafter that cannot win starts as plain decoding). The first round of every call is not timed: it pays
-one-time costs (weight packing of the decode kernels, first allocations) that are not the round's.
+one-time costs (weight packing of the decode kernels, first allocations) that are not the round's. When rows
+leave the batch the verify cost and the acceptance are estimated again (``_rows_changed``): the last row of a
+batch may accept far less than those that finished (docs/long_context.md has such a batch).
 """
 
 from __future__ import annotations
@@ -106,9 +108,18 @@ class AutoDraftLength(CallScoped):
     def start_call(self, batch: int) -> None:
         super().start_call(batch)
         self.untimed = 1  # the call's first round (one-time costs)
+        self.rows = None  # rows generating in the last round seen
+
+    def _rows_changed(self) -> None:
+        """Rows left the batch: the verify cost was measured with more rows (attention grows with them), so it is
+        measured again, and the acceptance starts again from the prior, so that the rows still generating decide
+        (they may accept far less than those that finished). A draft step's cost hardly changes with the rows
+        (it reads the weights), so it is kept."""
+        self.verify_time = _Decayed(self.decay)
+        self.accepted = self.rejected = 1.0
 
     def reset(self) -> None:
-        self.untimed = 1
+        self.untimed, self.rows = 1, None
         self.accepted = 1.0  # prior: a = 0.5 worth one observation each way
         self.rejected = 1.0
         self.draft_time = _Decayed(self.decay)  # x = tokens drafted, y = seconds
@@ -150,6 +161,10 @@ class AutoDraftLength(CallScoped):
     def update(self, outcome) -> None:
         """Fold in a ``RoundOutcome`` (num_draft_tokens, num_accepted [B] of the ``alive`` rows, seconds)."""
         k = outcome.num_draft_tokens
+        rows = int(outcome.alive.sum())
+        if self.rows is not None and rows != self.rows:
+            self._rows_changed()
+        self.rows = rows
         timed = self.untimed == 0
         self.untimed = max(self.untimed - 1, 0)
         if timed:

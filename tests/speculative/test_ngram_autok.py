@@ -98,6 +98,26 @@ def test_auto_k_priors_choose_the_first_round_and_price_drafts():
         cheap.set_priors(0.1, 1.0)
 
 
+def test_auto_k_follows_the_rows_left_after_others_finish():
+    """Four rows accept everything, then three finish and the last accepts nothing: the costs are measured again
+    and the acceptance restarts from the prior, so auto K falls to plain decoding within a few rounds."""
+    auto = AutoDraftLength(max_draft_tokens=8)
+    auto.start_call(4)
+    for _ in range(12):
+        _feed(auto, 4, [4, 4, 4, 4], draft_per_token=0.02, verify_base=0.2)
+    assert auto.choose() >= 4
+    choices = []
+    for _ in range(8):
+        k = auto.choose()
+        choices.append(k)
+        num = torch.tensor([0, 0, 0, 0])
+        alive = torch.tensor([False, False, True, False])
+        auto.update(RoundOutcome(kept_width=0, num_accepted=num, alive=alive, num_draft_tokens=k,
+                                 draft_time_s=0.01 * k, verify_time_s=0.06 * (1 + 0.15 * k)))
+    # the first one-row round still drafts the old K (nothing seen yet), then plain steps
+    assert choices[0] >= 4 and choices[1:] == [0] * 7 and auto.verify_time.n < 8 and auto.alpha < 0.5
+
+
 def test_auto_k_refuses_a_draft_as_costly_as_the_target():
     auto = AutoDraftLength(max_draft_tokens=8)
     for step in range(20):
