@@ -59,9 +59,12 @@ def sink_window_columns(committed_mask: torch.Tensor, sink_tokens: int, window: 
     sinks = min(sink_tokens, start)
     if sinks == 0:
         return window_cols.contiguous(), real[:, start:]
-    cols = torch.arange(start, device=real.device)
-    order = torch.where(real[:, :start], cols, cols + start).argsort(dim=1, stable=True)  # real columns first
-    sink_cols = order[:, :sinks]  # [B, sinks], ascending: real columns in order, then padding
+    if bool(real[:, :sinks].all()):  # no left padding: the first columns are the sinks (no per-round sort of S)
+        sink_cols = torch.arange(sinks, device=real.device).expand(batch, -1)
+    else:
+        cols = torch.arange(start, device=real.device)
+        order = torch.where(real[:, :start], cols, cols + start).argsort(dim=1, stable=True)  # real columns first
+        sink_cols = order[:, :sinks]  # [B, sinks], ascending: real columns in order, then padding
     return torch.cat([sink_cols, window_cols], 1), torch.cat([real.gather(1, sink_cols), real[:, start:]], 1)
 
 

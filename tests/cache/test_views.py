@@ -31,6 +31,34 @@ def test_columns_by_hand():
     assert sink_window_keep(mask, 2, 3).tolist() == [[0, 0, 1, 1, 0, 1, 1, 1], [1, 1, 0, 0, 0, 1, 0, 1]]
 
 
+def _reference_columns(mask: torch.Tensor, sinks: int, window: int) -> list[list[int]]:
+    """The column rule by hand: each row's first ``sinks`` real columns before the window (padded with the first
+    non-real ones), then the window's columns."""
+    length = mask.shape[1]
+    start = max(0, length - window)
+    sinks = min(sinks, start)
+    rows = []
+    for row in mask.tolist():
+        real = [c for c in range(start) if row[c]]
+        rest = [c for c in range(start) if not row[c]]
+        rows.append((real + rest)[:sinks] + list(range(start, length)))
+    return rows
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_columns_fast_path_and_sort_agree_with_the_rule(seed):
+    """Unpadded rows take the no-sort path, padded or holed rows the sort: both must follow the rule."""
+    generator = torch.Generator().manual_seed(seed)
+    length = int(torch.randint(4, 40, (), generator=generator))
+    mask = (torch.rand(3, length, generator=generator) > 0.3).long()
+    if seed % 2:
+        mask[:, :6] = 1  # no padding where the sinks are: the fast path
+    for sinks, window in ((2, 3), (4, 8), (0, 5), (3, length)):
+        columns, valid = sink_window_columns(mask, sinks, window)
+        assert columns.tolist() == _reference_columns(mask, sinks, window)
+        assert torch.equal(valid, mask.bool().gather(1, columns))
+
+
 def _prefill(model, cache):
     ids, mask = left_padded_batch(PROMPTS)
     positions = (mask.cumsum(-1) - 1).clamp_min(0)
