@@ -1,19 +1,38 @@
-"""Long-context self-speculation (SparseKVAssistant) vs plain generate on the same cache, per context and batch.
+"""Long-context self-speculation (SparseKVAssistant) vs plain generate, prefill and decode measured apart.
 
-    python scripts/benchmark.py longctx [--contexts 1024,4096] [--batch-sizes 1,4] [--new-tokens 32]
+    python scripts/benchmark.py longctx [--contexts 4096,8192] [--batch-sizes 1,4] [--new-tokens 48,256]
+                                        [--methods plain,streaming,quantized,auto] [--max-load 1.5]
 
 Prompts are the first ``context`` tokens of the longest documents of the offline ``python-docs`` corpus (row r: the
-r-th longest document, continuous text). Each (context, batch) is prefilled once into a DynamicCache; every run
-decodes from a copy of it, so prefill time is excluded and plain and speculative runs start from the same state.
-Runs are interleaved across repeats (medians). Per configuration: tau (tokens per target forward), acceptance per
-draft position, decode ratio vs plain generate, and the bound tau / (c_v(K+1) + K * c_d) with c_v(T) = target
-forward of T tokens over this cache / one-token step and c_d = one draft step over the view / one-token step, both
-measured in the same run; KV bytes from the formula (``kv_cache_bytes`` + the view's) and measured.
+r-th longest document, continuous text). The model is loaded as a new user loads it (``sdpa``); every run is greedy,
+``max_new_tokens = min_new_tokens = max(--new-tokens)``, timed by a streamer that stamps every new column.
+
+Per (context, batch) cell:
+    prefill   the ``plain`` run is ``generate`` from an empty ``DynamicCache``: its time to first token (TTFT) is
+              the prefill. The prefill is the same target forward for every method (the speculative loop's
+              prefill is one target forward over the prompt), so it is measured once: the plain run's cache,
+              cropped back to the prompt minus its last token, is deep-copied for every other method, which
+              then feeds the last prompt token only.
+    decode    time per output token (TPOT) = (time of the last new column - time of the first) / (n - 1), per
+              method; ``ratio_decode`` = plain TPOT / the method's.
+    e2e(n)    for each n of ``--new-tokens``: plain: its time to the n-th column; other methods: plain's TTFT +
+              their time from the first to the n-th column. The first n columns of a greedy run do not depend on
+              how many follow, so the smaller n are read from the same run.
+Speculative telemetry: tau (tokens per target forward), mean draft length, acceptance per position.
+
+Bytes per step beside each ratio (``hf_kvspec.speculative.drafters.view_costs``): weights W, the target's K/V
+(B x S columns) and the K/V a draft step reads (the view), and the byte bound ``tau / (1 + K * c_d_bytes)`` with
+``c_d_bytes = (W + view) / (W + 3 * target K/V)``: a ``DynamicCache`` step reads its K/V in attention and copies it
+(read + write) when ``update`` concatenates. Beside it the measured bound ``tau / (c_v + K * c_d)``: c_v = a
+(K + 1)-token forward over the cell's cache / a one-token step, c_d = a draft step over the streaming view / a
+one-token step (medians of 3, interleaved), under the attention the speculative call runs (``kvspec_gqa``).
+
+Load: the 1-minute load average before and after every run; before each run the benchmark waits (up to
+``--load-wait`` seconds) for it to fall below ``--max-load``, and records what it saw.
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import os
 import statistics
@@ -21,28 +40,71 @@ import time
 
 import torch
 from transformers import DynamicCache
+from transformers.generation.streamers import BaseStreamer
 
 import hf_kvspec
 from bench.harness import Report
 from hf_kvspec.cache.views import StreamingView
 from hf_kvspec.memory import kv_cache_bytes, quantized_view_bytes, sparse_view_bytes
+from hf_kvspec.speculative.drafters.view_costs import ViewBytes, model_weight_bytes
+
+METHODS = ("plain", "streaming", "quantized", "auto")
+MB = 2**20
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--contexts", default="1024,4096,8192")
+    parser.add_argument("--contexts", default="4096,8192")
     parser.add_argument("--batch-sizes", default="1,4")
-    parser.add_argument("--new-tokens", type=int, default=32)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--new-tokens", default="48,256", help="comma list; one run decodes the largest")
+    parser.add_argument("--methods", default=",".join(METHODS), help=f"comma list of {', '.join(METHODS)}")
     parser.add_argument("--sink-tokens", type=int, default=4)
     parser.add_argument("--window", type=int, default=256)
-    parser.add_argument("--k", type=int, default=4, help="draft tokens per round (fixed-K runs)")
-    parser.add_argument("--attention", choices=("kvspec_gqa", "sdpa"), default="kvspec_gqa",
-                        help="the target's attention for plain and streaming runs (quantized runs use kvspec_quant). "
-                             "sdpa copies K/V per query head (repeat_kv) whenever a mask comes with more than one "
-                             "query, which makes every verify forward pay for it at long context")
+    parser.add_argument("--k", type=int, default=4, help="draft tokens per round of the fixed-K methods")
+    parser.add_argument("--max-load", type=float, default=1.5, help="wait for the 1-minute load to fall below this")
+    parser.add_argument("--load-wait", type=float, default=300, help="seconds to wait for --max-load at most")
+    parser.add_argument("--results-name", default="longctx")
+    parser.add_argument("--validate-e2e", action="store_true",
+                        help="also run `auto` end to end from an empty cache, to check the prefill accounting")
 
 
+# ---------------------------------------------------------------------------------------------------- timing
+class ColumnTimer(BaseStreamer):
+    """Stamps every new column: plain ``generate`` puts the prompt (2-D) first, then one column per step (1-D
+    [B]); the speculative loop puts, at batch 1, one or more new tokens at once, at batch > 1 one column that
+    every row has completed per put. ``times[n - 1]`` is when the n-th new column arrived."""
+
+    def __init__(self, batch: int):
+        self.batch, self.times = batch, []
+
+    def put(self, value: torch.Tensor) -> None:
+        now = time.perf_counter()
+        if value.dim() > 1:  # the prompt
+            return
+        self.times += [now] * (value.numel() if self.batch == 1 else 1)
+
+    def end(self) -> None:
+        pass
+
+    def time_to(self, n: int, start: float) -> float:
+        return self.times[n - 1] - start
+
+
+def _load() -> float:
+    return os.getloadavg()[0]
+
+
+def _quiet(max_load: float, wait: float) -> float:
+    """Wait (up to ``wait`` seconds) for the 1-minute load average to fall below ``max_load``; returns the load."""
+    deadline = time.monotonic() + wait
+    while _load() >= max_load and time.monotonic() < deadline:
+        print(f"    load {_load():.2f} >= {max_load}: waiting", flush=True)
+        time.sleep(10)
+    return _load()
+
+
+# ---------------------------------------------------------------------------------------------------- runs
 def _prompts(tokenizer, context: int, batch: int) -> torch.Tensor:
+    """[batch, context] ids: the first ``context`` tokens of the ``batch`` longest python-docs documents."""
     from hf_kvspec.corpus import corpus_files
 
     files = sorted(corpus_files("python-docs", "all"), key=lambda p: (-p.stat().st_size, str(p)))[:batch]
@@ -52,63 +114,48 @@ def _prompts(tokenizer, context: int, batch: int) -> torch.Tensor:
     return torch.tensor(rows)
 
 
-def _prefill(model, ids: torch.Tensor, chunk: int = 512) -> DynamicCache:
-    """Cache of ``ids[:, :-1]`` (generate feeds the last prompt token itself), in chunks (bounded score memory)."""
-    cache = DynamicCache(config=model.config)
-    with torch.inference_mode():
-        for start in range(0, ids.shape[1] - 1, chunk):
-            end = min(start + chunk, ids.shape[1] - 1)
-            model(input_ids=ids[:, start:end], cache=cache, use_cache=True, logits_to_keep=1)
-    return cache
+def _assistant(method: str, args):
+    """The assistant of ``method`` (None for plain): fixed K for streaming/quantized; ``auto`` is the drafter a
+    new user would pick for long contexts, with the benchmark's view settings."""
+    view = dict(sink_tokens=args.sink_tokens)
+    if method == "streaming":
+        return hf_kvspec.SparseKVAssistant(view="streaming", window=args.window, num_draft_tokens=args.k, **view)
+    if method == "quantized":
+        return hf_kvspec.SparseKVAssistant(view="quantized", num_draft_tokens=args.k, **view)
+    if method == "auto":
+        return hf_kvspec.SparseKVAssistant(view="streaming", window=args.window, num_draft_tokens="auto", **view)
+    return None
 
 
-def _cache_bytes(cache) -> int:
-    return sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
-
-
-def _load() -> str:
-    return f"{os.getloadavg()[0]:.1f}"  # 1-minute load average (2 cores shared)
-
-
-def _runs(args) -> dict:
-    """name -> (assistant factory or None, sampling kwargs, quantized attention?)"""
-    greedy, sample = dict(do_sample=False), dict(do_sample=True, temperature=0.7, top_k=0)
-    stream = dict(view="streaming", sink_tokens=args.sink_tokens, window=args.window)
-    return {
-        "plain/greedy": (None, greedy, False),
-        "plain/sample": (None, sample, False),
-        f"streaming/K={args.k}/greedy": (lambda: hf_kvspec.SparseKVAssistant(**stream, num_draft_tokens=args.k),
-                                         greedy, False),
-        "streaming/auto/greedy": (lambda: hf_kvspec.SparseKVAssistant(**stream, num_draft_tokens="auto"), greedy,
-                                  False),
-        f"streaming/K={args.k}/sample": (lambda: hf_kvspec.SparseKVAssistant(**stream, num_draft_tokens=args.k),
-                                         sample, False),
-        f"quantized/K={args.k}/greedy": (lambda: hf_kvspec.SparseKVAssistant(view="quantized", num_draft_tokens=args.k,
-                                                                             sink_tokens=args.sink_tokens),
-                                         greedy, True),
-    }
-
-
-def _decode(model, ids, cache, factory, sampling, new_tokens):
-    assistant = factory() if factory else None
+def _generate(model, ids, cache, assistant, new_tokens: int):
+    """One greedy call timed column by column: (sequences [B, P + n], timer, start, output or None)."""
+    timer = ColumnTimer(ids.shape[0])
     extra = dict(custom_generate=hf_kvspec.speculative_generate, assistant=assistant,
-                 return_dict_in_generate=True) if assistant else {}
-    torch.manual_seed(0)
+                 return_dict_in_generate=True) if assistant is not None else {}
     start = time.perf_counter()
     with torch.inference_mode():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, max_new_tokens=new_tokens,
-                             min_new_tokens=new_tokens, pad_token_id=0, **sampling, **extra)
-    return time.perf_counter() - start, assistant, out.acceptance if assistant else None
+                             min_new_tokens=new_tokens, do_sample=False, pad_token_id=0, streamer=timer, **extra)
+    sequences = out.sequences if assistant is not None else out
+    return sequences, timer, start, out if assistant is not None else None
 
 
-def _step_costs(model, cache, ids, args, repeats: int = 5) -> dict:
-    """Medians of a 1-token target step, a (K+1)-token verify forward (cropped after) and a draft step over the
-    streaming view, interleaved, over this cache."""
+def _warm_up(model, tokenizer, batch: int) -> None:
+    """A short speculative and plain call at this batch size: the decode kernels pack their weight copies once
+    per process (kept for later calls), which is not what a long run's decode costs."""
+    ids = _prompts(tokenizer, 96, batch)
+    for assistant in (hf_kvspec.SparseKVAssistant(window=32, num_draft_tokens=2), None):
+        _generate(model, ids, None, assistant, 8)
+
+
+def _step_costs(model, cache, ids, args) -> dict:
+    """Medians of 3 interleaved: a one-token target step, a (K + 1)-token verify forward (cropped after) and a
+    draft step over the streaming view, over ``cache``, under ``kvspec_gqa`` (what the speculative call runs)."""
     batch, length = ids.shape[0], cache.get_seq_length()
     times = {"step": [], "verify": [], "draft": []}
     root, positions = ids[:, -1:], torch.full((batch, 1), length)
-    with torch.inference_mode():
-        for _ in range(repeats):
+    with torch.inference_mode(), hf_kvspec.enable_gqa(model):
+        for _ in range(3):
             for name, count in (("step", 1), ("verify", args.k + 1)):
                 start = time.perf_counter()
                 model(input_ids=root.expand(-1, count), position_ids=positions + torch.arange(count), cache=cache,
@@ -121,75 +168,130 @@ def _step_costs(model, cache, ids, args, repeats: int = 5) -> dict:
                   cache=view, use_cache=True, logits_to_keep=1)
             times["draft"].append(time.perf_counter() - start)
     step = statistics.median(times["step"])
-    return {"step_s": step, "c_v": statistics.median(times["verify"]) / step,
+    return {"step_ms": 1000 * step, "c_v": statistics.median(times["verify"]) / step,
             "c_d": statistics.median(times["draft"]) / step}
 
 
-@contextlib.contextmanager
-def _attention(model, name: str):
-    """The model on attention ``name`` for the block (``sdpa``: as loaded), switched back afterwards."""
-    enable = {"kvspec_gqa": hf_kvspec.enable_gqa, "kvspec_quant": hf_kvspec.enable_quantized_attention}.get(name)
-    patch = enable(model) if enable is not None else None
-    try:
-        yield
-    finally:
-        if patch is not None:
-            patch.remove()
+def _bytes(model, method: str, context: int, batch: int, args) -> ViewBytes:
+    """Bytes per forward of ``method`` at this cell (fp32 weights and K/V; view_costs' model)."""
+    config, dtype = model.config, torch.float32
+    target = kv_cache_bytes(config, context, batch, dtype)
+    if method == "quantized":
+        view = quantized_view_bytes(config, context, batch, dtype, sink_tokens=args.sink_tokens)
+    elif method in ("streaming", "auto"):
+        view = sparse_view_bytes(config, batch, args.sink_tokens, args.window, args.k, dtype)
+    else:
+        view = 0
+    return ViewBytes(model_weight_bytes(model), target, view, touches=3)
 
 
-def _measure(model, tokenizer, context, batch, args, report) -> None:
+# ---------------------------------------------------------------------------------------------------- a cell
+def _measure(model, tokenizer, context: int, batch: int, args, report: Report) -> None:
     ids = _prompts(tokenizer, context, batch)
-    load_before = _load()
-    base = _prefill(model, ids)
-    with _attention(model, args.attention):
-        costs = _step_costs(model, base, ids, args)
-    runs, samples, stats = _runs(args), {}, {}
-    for _ in range(args.repeats):
-        for name, (factory, sampling, quantized) in runs.items():
-            cache = copy.deepcopy(base)
-            with _attention(model, "kvspec_quant" if quantized else args.attention):
-                seconds, assistant, acc = _decode(model, ids, cache, factory, sampling, args.new_tokens)
-            samples.setdefault(name, []).append(seconds)
-            stats[name] = (assistant, acc, _cache_bytes(cache))
-    config = model.config
-    for name, seconds in samples.items():
-        assistant, acc, measured = stats[name]
-        plain = statistics.median(samples["plain/sample" if name.endswith("sample") else "plain/greedy"])
-        row = dict(context=context, batch=batch, run=name, seconds=statistics.median(seconds),
-                   ratio=plain / statistics.median(seconds), kv_formula=kv_cache_bytes(
-                       config, context + args.new_tokens - 1, batch, torch.float32), kv_measured=measured)
-        if assistant is not None:
-            k = args.k
-            row.update(tau=acc.tokens_per_target_forward, acceptance=[round(a, 2) for a in acc.acceptance_rate],
-                       mean_k=sum(acc.draft_lengths) / max(len(acc.draft_lengths), 1),
-                       bound=acc.tokens_per_target_forward / (costs["c_v"] + k * costs["c_d"]) if "K=" in name
-                       else None)
-            if name.startswith("quantized"):
-                row.update(view_formula=quantized_view_bytes(config, context + args.new_tokens - 1, batch,
-                                                             torch.float32, sink_tokens=args.sink_tokens),
-                           view_measured=assistant.view_bytes())
-            else:
-                row.update(view_formula=sparse_view_bytes(config, batch, args.sink_tokens, args.window, k,
-                                                          torch.float32))
-        row.update(c_v=costs["c_v"], c_d=costs["c_d"], step_ms=1000 * costs["step_s"], load=f"{load_before} -> "
-                   f"{_load()}")
-        report.add(**row)
+    counts = sorted(map(int, args.new_tokens.split(",")))
+    new_tokens = counts[-1]
+    methods = [m.strip() for m in args.methods.split(",")]
+    _warm_up(model, tokenizer, batch)
+
+    load_before = _quiet(args.max_load, args.load_wait)
+    cache = DynamicCache(config=model.config)
+    plain_ids, timer, start, _ = _generate(model, ids, cache, None, new_tokens)
+    prefill_s = timer.time_to(1, start)
+    plain = _phase_times(timer, start, counts, prefill_s, own_prefill=True)
+    plain_load = f"{load_before:.2f} -> {_load():.2f}"
+    cache.crop(ids.shape[1] - 1 - cache.get_seq_length())  # the prompt minus its last token: every other method's start
+    costs = _step_costs(model, cache, ids, args)
+    print(f"  prefill {prefill_s:.1f} s; step {costs['step_ms']:.0f} ms, c_v {costs['c_v']:.2f}, "
+          f"c_d {costs['c_d']:.2f}", flush=True)
+
+    for method in methods:
+        if method == "plain":
+            times, load, out, same = plain, plain_load, None, True
+        else:
+            load_before = _quiet(args.max_load, args.load_wait)
+            sequences, timer, start, out = _generate(model, ids, copy.deepcopy(cache), _assistant(method, args),
+                                                     new_tokens)
+            times = _phase_times(timer, start, counts, prefill_s, own_prefill=False)
+            load, same = f"{load_before:.2f} -> {_load():.2f}", torch.equal(sequences, plain_ids)
+            if not same:
+                print(f"  WARNING: {method} differs from plain greedy at {context} x {batch}", flush=True)
+        report.add(**_row(model, method, context, batch, args, times, plain, out, costs, same, load, prefill_s))
+    if args.validate_e2e:
+        _validate(model, ids, args, new_tokens, counts, plain, report, context, batch)
+
+
+def _phase_times(timer: ColumnTimer, start: float, counts: list[int], prefill_s: float, own_prefill: bool) -> dict:
+    """TPOT over the decode phase and e2e(n) for each n (module docstring)."""
+    first = timer.time_to(1, start)
+    last = timer.time_to(counts[-1], start)
+    e2e = {n: timer.time_to(n, start) if own_prefill else prefill_s + timer.time_to(n, start) - first
+           for n in counts}
+    return {"tpot_ms": 1000 * (last - first) / (counts[-1] - 1), "e2e": e2e}
+
+
+def _row(model, method, context, batch, args, times, plain, out, costs, same, load, prefill_s) -> dict:
+    row = dict(context=context, batch=batch, method=method, tpot_ms=times["tpot_ms"],
+               ratio_decode=plain["tpot_ms"] / times["tpot_ms"], prefill_s=prefill_s)
+    for n, seconds in times["e2e"].items():
+        row[f"e2e_{n}_s"] = seconds
+        row[f"ratio_e2e_{n}"] = plain["e2e"][n] / seconds
+    read = _bytes(model, method, context, batch, args)
+    row.update(weights_mb=read.weights / MB, target_kv_mb=read.target_kv / MB, draft_kv_mb=read.view_kv / MB)
+    if out is not None:
+        acc = out.acceptance
+        lengths = acc.draft_lengths or [0]
+        mean_k = sum(lengths) / len(lengths)
+        tau = acc.tokens_per_target_forward
+        row.update(tau=tau, mean_k=mean_k, acceptance=[round(a, 2) for a in acc.acceptance_rate[:6]],
+                   bound=tau / (costs["c_v"] + mean_k * costs["c_d"]), bound_bytes=read.bound(tau, mean_k),
+                   draft_s=acc.draft_time_s, verify_s=acc.verify_time_s)
+    row.update(c_v=costs["c_v"], c_d=costs["c_d"], step_ms=costs["step_ms"], same_as_plain=same, load=load)
+    return row
+
+
+def _validate(model, ids, args, new_tokens, counts, plain, report, context, batch) -> None:
+    """``auto`` end to end from an empty cache (its own prefill): checks the shared-prefill accounting."""
+    load_before = _quiet(args.max_load, args.load_wait)
+    _, timer, start, out = _generate(model, ids, None, _assistant("auto", args), new_tokens)
+    times = _phase_times(timer, start, counts, 0.0, own_prefill=True)
+    row = dict(context=context, batch=batch, method="auto (own prefill)", tpot_ms=times["tpot_ms"],
+               ratio_decode=plain["tpot_ms"] / times["tpot_ms"], prefill_s=timer.time_to(1, start),
+               tau=out.acceptance.tokens_per_target_forward, load=f"{load_before:.2f} -> {_load():.2f}")
+    for n in counts:
+        row[f"e2e_{n}_s"] = times["e2e"][n]
+        row[f"ratio_e2e_{n}"] = plain["e2e"][n] / times["e2e"][n]
+    report.add(**row)
 
 
 def run(args) -> None:
+    counts = sorted(map(int, args.new_tokens.split(",")))
+    unknown = set(m.strip() for m in args.methods.split(",")) - set(METHODS)
+    if unknown or counts[0] < 2:
+        raise SystemExit(f"--methods takes {', '.join(METHODS)} (got {sorted(unknown)}); --new-tokens >= 2")
     model, tokenizer = hf_kvspec.load_bundled_model(attn_implementation="sdpa")
+    e2e_columns = [c for n in counts for c in (f"e2e_{n}_s", f"ratio_e2e_{n}")]
     report = Report(
-        "longctx", "Long-context self-speculation: SparseKVAssistant vs plain generate (DynamicCache, fp32)",
-        ["context", "batch", "run", "ratio", "tau", "acceptance", "bound", "c_v", "c_d", "step_ms",
-         "kv_formula", "kv_measured", "view_formula", "view_measured", "load"],
+        args.results_name, "Long-context self-speculation vs plain generate: prefill and decode (fp32, greedy)",
+        ["context", "batch", "method", "prefill_s", "tpot_ms", "ratio_decode", *e2e_columns, "tau", "mean_k",
+         "acceptance", "bound", "bound_bytes", "c_v", "c_d", "weights_mb", "target_kv_mb", "draft_kv_mb",
+         "same_as_plain", "load"],
         settings={k: v for k, v in vars(args).items() if k != "func"})
-    report.notes += ["ratio = plain generate seconds / this run's seconds (same cache type, same decode length, "
-                     "prefill excluded); bound = tau / (c_v(K+1) + K c_d), c_v and c_d measured in this run",
-                     "load = 1-minute load average before the configuration -> after it (2 shared cores)",
-                     "view_measured = the quantized shadow at the end of the call (it is synced at the start of each "
-                     "round, so it lags the final tokens); view_formula = hf_kvspec.memory at the final length"]
+    report.notes += [
+        "prefill_s = plain generate's time to first token (one target forward over the prompt, the same for every "
+        "method: measured once per cell; the other methods decode from a copy of that cache)",
+        "tpot_ms = decode-phase time per output token (first new column to the last); ratio_decode = plain tpot / "
+        "this tpot",
+        f"e2e_n_s = prefill + time to the n-th new column (n in {counts}, all read from one {counts[-1]}-token "
+        "run); ratio_e2e_n = plain / this",
+        "bound = tau / (c_v + K c_d) with c_v, c_d measured in this cell (K = mean draft length); bound_bytes = tau "
+        "/ (1 + K c_d_bytes), c_d_bytes = (W + draft_kv) / (W + 3 target_kv) (DynamicCache: attention read + "
+        "append copy); MB = 2^20 bytes",
+        "load = 1-minute load average before the run -> after it (2 cores; runs wait for it to fall below "
+        f"{args.max_load})",
+        "plain = generate as loaded (sdpa); speculative calls switch to kvspec_gqa for the call (call_attention)",
+    ]
     for context in map(int, args.contexts.split(",")):
         for batch in map(int, args.batch_sizes.split(",")):
             print(f"context {context}, batch {batch}", flush=True)
             _measure(model, tokenizer, context, batch, args, report)
-            report.write()  # after each configuration: a partial run still leaves results
+            report.write()  # after each cell: a partial run still leaves results
