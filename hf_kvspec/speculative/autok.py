@@ -8,6 +8,13 @@ E[tau](K) = (1 - a^(K+1)) / (1 - a) tokens and costs K * t_draft + t_verify(K). 
 plain decoding when speculation does not pay, and re-probes with a short draft every ``probe_every`` rounds so
 that a change in acceptance is noticed.
 
+Batches: every row of a round drafts the same K, and a call ends when its slowest row does, so with several rows
+``a`` is the acceptance of the row that accepts least (each row's own decayed estimate, keyed by its call row,
+``RoundOutcome.call_rows``). Averaging over rows would let three rows that accept everything hide a fourth that
+accepts nothing, and that row alone then sets the call's length at a round's price per token; its rounds get
+cheap only once the others finished and left the batch. With one row, or without row ids, ``a`` is the pooled
+estimate.
+
 Estimates (exponentially decayed so they follow the text):
     a          maximum-likelihood estimate for a truncated geometric: accepted / (accepted + rejections).
     t_draft    draft seconds per drafted token.
@@ -109,6 +116,8 @@ class AutoDraftLength(CallScoped):
         super().start_call(batch)
         self.untimed = 1  # the call's first round (one-time costs)
         self.rows = None  # rows generating in the last round seen
+        self.row_counts: dict[int, list[float]] = {}  # call row -> decayed [accepted, rejected] (prior 1:1)
+        self.live_rows: list[int] = []  # call rows generating in the last round seen
 
     def _rows_changed(self) -> None:
         """Rows left the batch: the verify cost was measured with more rows (attention grows with them), so it is
@@ -118,8 +127,20 @@ class AutoDraftLength(CallScoped):
         self.verify_time = _Decayed(self.decay)
         self.accepted = self.rejected = 1.0
 
+    def _update_rows(self, outcome, k: int) -> None:
+        """Each live row's own decayed acceptance, keyed by its call row."""
+        rows = outcome.call_rows if outcome.call_rows is not None else range(len(outcome.alive))
+        live = [(row, int(n)) for row, n, alive in zip(rows, outcome.num_accepted.tolist(), outcome.alive.tolist())
+                if alive]
+        for row, n in live:
+            counts = self.row_counts.setdefault(row, [1.0, 1.0])
+            counts[0] = self.decay * counts[0] + n
+            counts[1] = self.decay * counts[1] + (n < k)
+        self.live_rows = [row for row, _ in live]
+
     def reset(self) -> None:
         self.untimed, self.rows = 1, None
+        self.row_counts, self.live_rows = {}, []
         self.accepted = 1.0  # prior: a = 0.5 worth one observation each way
         self.rejected = 1.0
         self.draft_time = _Decayed(self.decay)  # x = tokens drafted, y = seconds
@@ -129,7 +150,19 @@ class AutoDraftLength(CallScoped):
 
     @property
     def alpha(self) -> float:
+        """The acceptance the choice uses: the least-accepting live row's when several rows are tracked, else
+        the pooled estimate (module docstring)."""
+        if len(self.live_rows) > 1:
+            return min(self.row_alpha(row) for row in self.live_rows)
+        return self.pooled_alpha
+
+    @property
+    def pooled_alpha(self) -> float:
         return self.accepted / (self.accepted + self.rejected)
+
+    def row_alpha(self, row: int) -> float:
+        accepted, rejected = self.row_counts.get(row, (1.0, 1.0))
+        return accepted / (accepted + rejected)
 
     def expected_tokens(self, k: int) -> float:
         a = min(self.alpha, 1 - 1e-6)
@@ -174,6 +207,7 @@ class AutoDraftLength(CallScoped):
         accepted = outcome.num_accepted[outcome.alive].tolist()
         self.accepted = self.decay * self.accepted + sum(accepted)
         self.rejected = self.decay * self.rejected + sum(n < k for n in accepted)
+        self._update_rows(outcome, k)
         if timed:
             self.draft_time.add(k, outcome.draft_time_s)
 

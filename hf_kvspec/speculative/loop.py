@@ -262,7 +262,8 @@ class SpeculativeDecoder:
         self.stats.record_round(plan.num_draft, int(alive.sum()), int(kept.sum()), per_position, draft_s, verify_s,
                                 plan.proposal.draft_forwards, depth=plan.depth)
         self.assistant.observe(RoundOutcome(self.buffer.width - 1, result.num_accepted, alive, plan.num_draft,
-                                            draft_s, verify_s, hidden, accepted_nodes=result.accepted_nodes))
+                                            draft_s, verify_s, hidden, accepted_nodes=result.accepted_nodes,
+                                            call_rows=self.rows.call_rows()))
 
 
 def _cached_prompt(cache, prompt_len: int) -> int:

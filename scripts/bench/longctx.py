@@ -25,7 +25,8 @@ Bytes per step beside each ratio (``hf_kvspec.speculative.drafters.view_costs``)
 ``c_d_bytes = (W + view) / (W + 3 * target K/V)``: a ``DynamicCache`` step reads its K/V in attention and copies it
 (read + write) when ``update`` concatenates. Beside it the measured bound ``tau / (c_v + K * c_d)``: c_v = a
 (K + 1)-token forward over the cell's cache / a one-token step, c_d = a draft step over the streaming view / a
-one-token step (medians of 3, interleaved), under the attention the speculative call runs (``kvspec_gqa``).
+one-token step as plain ``generate`` runs it (medians of 3, interleaved); the verify and draft forwards run as
+the speculative call runs them (``kvspec_gqa``, the decode kernels where several rows share a forward).
 
 Load: the 1-minute load average before and after every run; before each run the benchmark waits (up to
 ``--load-wait`` seconds) for it to fall below ``--max-load``, and records what it saw.
@@ -33,6 +34,7 @@ Load: the 1-minute load average before and after every run; before each run the 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import statistics
@@ -149,24 +151,36 @@ def _warm_up(model, tokenizer, batch: int) -> None:
 
 
 def _step_costs(model, cache, ids, args) -> dict:
-    """Medians of 3 interleaved: a one-token target step, a (K + 1)-token verify forward (cropped after) and a
-    draft step over the streaming view, over ``cache``, under ``kvspec_gqa`` (what the speculative call runs)."""
+    """Medians of 3 interleaved, over ``cache``: a one-token target step as plain ``generate`` runs it (stock
+    kernels), and as the speculative call runs them (``kvspec_gqa``, the decode kernels wherever several rows
+    share a forward) a (K + 1)-token verify forward (cropped after) and a draft step over the streaming view."""
+    from hf_kvspec.kernels.linear import DecodeKernels, default_plans_file
+
     batch, length = ids.shape[0], cache.get_seq_length()
     times = {"step": [], "verify": [], "draft": []}
     root, positions = ids[:, -1:], torch.full((batch, 1), length)
-    with torch.inference_mode(), hf_kvspec.enable_gqa(model):
+
+    def routed(rows: int):
+        return kernels.routing() if rows > 1 else contextlib.nullcontext()
+
+    with torch.inference_mode(), DecodeKernels(model, route_on_enter=False, plans_file=default_plans_file()) as kernels:
         for _ in range(3):
             for name, count in (("step", 1), ("verify", args.k + 1)):
-                start = time.perf_counter()
-                model(input_ids=root.expand(-1, count), position_ids=positions + torch.arange(count), cache=cache,
-                      use_cache=True, logits_to_keep=count)
-                times[name].append(time.perf_counter() - start)
+                with contextlib.ExitStack() as scope:
+                    if name == "verify":
+                        scope.enter_context(hf_kvspec.enable_gqa(model))
+                        scope.enter_context(routed(count * batch))
+                    start = time.perf_counter()
+                    model(input_ids=root.expand(-1, count), position_ids=positions + torch.arange(count),
+                          cache=cache, use_cache=True, logits_to_keep=count)
+                    times[name].append(time.perf_counter() - start)
                 cache.crop(-count)
             view = StreamingView(cache, torch.ones(batch, length, dtype=torch.long), args.sink_tokens, args.window)
-            start = time.perf_counter()
-            model(input_ids=root, attention_mask=view.attention_mask(1, model.dtype), position_ids=positions,
-                  cache=view, use_cache=True, logits_to_keep=1)
-            times["draft"].append(time.perf_counter() - start)
+            with hf_kvspec.enable_gqa(model), routed(batch):
+                start = time.perf_counter()
+                model(input_ids=root, attention_mask=view.attention_mask(1, model.dtype), position_ids=positions,
+                      cache=view, use_cache=True, logits_to_keep=1)
+                times["draft"].append(time.perf_counter() - start)
     step = statistics.median(times["step"])
     return {"step_ms": 1000 * step, "c_v": statistics.median(times["verify"]) / step,
             "c_d": statistics.median(times["draft"]) / step}

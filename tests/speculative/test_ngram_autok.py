@@ -118,6 +118,29 @@ def test_auto_k_follows_the_rows_left_after_others_finish():
     assert choices[0] >= 4 and choices[1:] == [0] * 7 and auto.verify_time.n < 8 and auto.alpha < 0.5
 
 
+def test_auto_k_paces_a_batch_by_the_row_that_accepts_least():
+    """Three rows accept every draft, one accepts none: the pooled acceptance is high, but the call lasts as long
+    as the fourth row, which gains nothing from a draft, so auto K drafts nothing; rows keep their estimates by
+    call row when another row leaves (call_rows), and once the poor row has left, the others draft again."""
+    auto = AutoDraftLength(max_draft_tokens=8)
+    auto.start_call(4)
+    for _ in range(12):
+        k = max(auto.choose(), 1)
+        num = torch.tensor([k, k, 0, k])
+        auto.update(RoundOutcome(kept_width=0, num_accepted=num, alive=torch.ones(4, dtype=torch.bool),
+                                 num_draft_tokens=k, draft_time_s=0.02 * k, verify_time_s=0.2 * (1 + 0.15 * k),
+                                 call_rows=[0, 1, 2, 3]))
+    assert auto.pooled_alpha > 0.7 and auto.alpha == auto.row_alpha(2) < 0.2
+    assert auto.choose() == 0
+    # row 2 finishes and leaves; rows 0, 1, 3 are now active rows 0, 1, 2 and keep their own estimates
+    for _ in range(4):
+        k = max(auto.choose(), 1)
+        auto.update(RoundOutcome(kept_width=0, num_accepted=torch.tensor([k, k, k]),
+                                 alive=torch.ones(3, dtype=torch.bool), num_draft_tokens=k, draft_time_s=0.02 * k,
+                                 verify_time_s=0.15 * (1 + 0.15 * k), call_rows=[0, 1, 3]))
+    assert auto.live_rows == [0, 1, 3] and auto.alpha > 0.8 and auto.choose() >= 3
+
+
 def test_auto_k_refuses_a_draft_as_costly_as_the_target():
     auto = AutoDraftLength(max_draft_tokens=8)
     for step in range(20):

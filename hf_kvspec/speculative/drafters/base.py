@@ -131,6 +131,8 @@ class RoundOutcome:
     # [B, D] node index of each accepted draft token along row i's path, -1 past num_accepted[i] (for a chain
     # 0, 1, ...); a tree drafter keeps the same nodes of its own state
     accepted_nodes: torch.Tensor | None = None
+    # [B] the call-row index of each row (rows keep it when finished rows leave the batch); None: 0..B-1
+    call_rows: list[int] | None = None
 
 
 class Assistant(abc.ABC):
