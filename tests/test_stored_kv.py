@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from hf_kvspec import stored_kv
+from hf_kvspec.attention.gqa import enable_gqa
 from hf_kvspec.attention.quantized import enable_quantized_attention
 from hf_kvspec.cache.quantized import QuantizedKVCache
 from hf_kvspec.stored_kv import PagedKV, QuantizedKV, StoredKV
@@ -58,11 +59,12 @@ def _step_logits(model, cache, ids) -> torch.Tensor:
 def test_switching_attention_after_building_never_changes_what_update_returns(model):
     ids = torch.randint(3, 90, (1, 12), generator=torch.Generator().manual_seed(0))
     dense_cache = QuantizedKVCache(model.config, **SETTINGS)  # built under sdpa: dequantized keys/values for good
-    reference = _step_logits(model, QuantizedKVCache(model.config, **SETTINGS), ids)
+    with enable_gqa(model):  # kvspec_quant with nothing handed over attends as kvspec_gqa does
+        reference = _step_logits(model, QuantizedKVCache(model.config, **SETTINGS), ids)
     with enable_quantized_attention(model):
         fused_cache = QuantizedKVCache(model.config, **SETTINGS)
         assert (dense_cache.paired_attention, fused_cache.paired_attention) == (None, "kvspec_quant")
-        # kvspec_quant with nothing handed over is transformers' sdpa: bit-for-bit the unswitched result
+        # a cache built before the switch keeps handing dequantized keys over: bit-for-bit the kvspec_gqa result
         assert torch.equal(_step_logits(model, dense_cache, ids), reference)
         with torch.no_grad():
             model(ids[:, :-1], cache=fused_cache)
