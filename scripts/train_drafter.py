@@ -74,6 +74,9 @@ class ModelArguments:
         "help": "fine-tune: start from a trained head of the same kind (a saved head directory or bundled:KIND); "
                 "with --draft_vocab_size a full-vocabulary source keeps its layers and the vocabulary is chosen "
                 "from the data"})
+    init_across_layouts: bool = field(default=False, metadata={
+        "help": "--init_from an eagle1 head into an eagle3 one (or the reverse): copy only the layer after its "
+                "attention (o_proj, post-attention norm, MLP, final norm); the rest starts fresh"})
 
 
 @dataclass
@@ -593,10 +596,11 @@ def main(argv: list[str] | None = None) -> None:
         accelerator.print(f"data ready: {json.dumps(recipe)}")
         return
     head = build_head(m, target, recorded_name)
-    warm = warm_start(head, m.init_from, target) if m.init_from else None
+    warm = warm_start(head, m.init_from, target, m.init_across_layouts) if m.init_from else None
     if warm is not None:
+        fresh = f"; layout {warm.layout_change}, fresh: {', '.join(warm.left_fresh)}" if warm.layout_change else ""
         accelerator.print(f"--init_from {warm.source}: {warm.tensors_copied} tensors ({warm.parameters_copied:,} "
-                          f"parameters) copied; draft vocabulary: {warm.draft_vocab or 'none'}")
+                          f"parameters) copied; draft vocabulary: {warm.draft_vocab or 'none'}{fresh}")
     vocab = (TrainingVocabulary(target.config.vocab_size) if t.train_vocab == "full" else
              TrainingVocabulary.from_label_counts(dataset, target.config.vocab_size, t.train_vocab_size))
     if getattr(head, "has_draft_vocab", False):  # EAGLE-3 draft vocabulary: train the head's own [N, H] projection
