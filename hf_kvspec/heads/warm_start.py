@@ -94,7 +94,7 @@ def warm_start(head, source: str, base_model, across_layouts: bool = False) -> W
     return WarmStart(source=source, tensors_copied=len(copied),
                      parameters_copied=sum(t.numel() for t in copied.values()), draft_vocab=draft_vocab,
                      source_training=source_training(path), layout_change=layout,
-                     left_fresh=sorted(set(ours) - set(copied)) if layout is not None else None)
+                     left_fresh=sorted(set(ours) - set(copied) - set(DRAFT_VOCAB_TENSORS)) if layout else None)
 
 
 def _layout_change(config, donor_config) -> str | None:
