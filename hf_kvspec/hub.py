@@ -34,6 +34,11 @@ def _warm_start_sentence(warm: dict | None) -> str:
                if before.get("steps") and before.get("tokens") else "")
     if before.get("held_out_tau") is not None:
         lineage += f" (held-out chain tau {before['held_out_tau']:.3f} before this fine-tuning)"
+    if warm.get("layout_change"):
+        fresh = ", ".join(f"`{name}`" for name in warm.get("left_fresh") or [])
+        return (f" Partly warm-started across layouts ({warm['layout_change']}): the layer after its attention came "
+                f"from `{warm['source']}` ({warm['parameters_copied']:,} parameters{vocab}){lineage}; {fresh} "
+                "started fresh.")
     return (f" Fine-tuned: the weights started from `{warm['source']}` ({warm['parameters_copied']:,} parameters "
             f"copied{vocab}){lineage}, not from a random initialisation.")
 

@@ -13,13 +13,20 @@ Run (one CPU process; on GPUs drop ``--cpu`` and set ``--num_processes``):
 
     python scripts/train_drafter.py --config scripts/train_configs/smollm2_eagle.yaml   # YAML, CLI overrides it
     python scripts/train_drafter.py --config ... --resume_from_checkpoint latest         # continue after a crash
+    python scripts/train_drafter.py --config ... --resume_weights_from DIR   # continue in a new session (see below)
+    python scripts/train_drafter.py --config ... --evaluate_only DIR         # held-out numbers of a saved head
     python scripts/train_drafter.py --config scripts/train_configs/smollm2_early_exit.yaml  # exit adapter, E = 8
 
 ``--head early_exit --exit_layer E`` trains an ``ExitAdapter`` on the target's layer-E states (``hidden_states[E]``)
 against the target's greedy token at the same row; the held-out numbers come from ``evaluate_exit_adapter``.
 
 Outputs in ``--output_dir``: ``config.json`` + ``model.safetensors`` (the head only), ``README.md`` (model card),
-``training_summary.json``, ``train_log.jsonl``, ``checkpoints/step-N`` (``accelerator.save_state``).
+``training_summary.json``, ``train_log.jsonl``, ``checkpoints/step-N`` (``accelerator.save_state``, plus the head
+alone in ``checkpoints/step-N/head``: ``save_pretrained`` in ``--save_dtype`` with ``trainer_state.json``).
+
+Across sessions: the full state (optimizer included) is several times the head and stays under ``runs/``; a
+checkpoint's ``head/`` folder is small enough to commit. ``--resume_weights_from`` that folder continues the run
+from its weights, step (learning-rate schedule, data order) and run record; only AdamW's moments start again.
 """
 
 from __future__ import annotations
@@ -74,6 +81,9 @@ class ModelArguments:
         "help": "fine-tune: start from a trained head of the same kind (a saved head directory or bundled:KIND); "
                 "with --draft_vocab_size a full-vocabulary source keeps its layers and the vocabulary is chosen "
                 "from the data"})
+    init_across_layouts: bool = field(default=False, metadata={
+        "help": "--init_from an eagle1 head into an eagle3 one (or the reverse): copy only the layer after its "
+                "attention (o_proj, post-attention norm, MLP, final norm); the rest starts fresh"})
 
 
 @dataclass
@@ -114,6 +124,12 @@ class TrainArguments:
     seed: int = 0
     save_steps: int = 100
     resume_from_checkpoint: str | None = field(default=None, metadata={"help": "a checkpoint dir or 'latest'"})
+    resume_weights_from: str | None = field(default=None, metadata={
+        "help": "continue from a head directory holding trainer_state.json (a checkpoint's head/ folder, or one "
+                "committed from it): its weights take the place of --init_from, its step sets the schedule position "
+                "and the data order, its run record (commands, seconds) carries on; the optimizer restarts"})
+    evaluate_only: str | None = field(default=None, metadata={
+        "help": "measure the saved head in this directory on --eval_prompts, print the result as JSON, train nothing"})
     logging_steps: int = 10
     unroll_steps: int = field(default=1, metadata={"help": "EAGLE training-time-test steps"})
     feature_loss_weight: float = 1.0
@@ -198,6 +214,14 @@ def argument_problems(m: ModelArguments, d: DataArguments, t: TrainArguments) ->
     if t.max_train_seconds is not None and not t.max_train_seconds >= 0:  # 0: stop after the first step
         problems.append(f"--max_train_seconds {t.max_train_seconds}: needs a number of seconds >= 0, or leave it "
                         "unset")
+    if t.resume_from_checkpoint and t.resume_weights_from:
+        problems.append("--resume_from_checkpoint and --resume_weights_from: pass one (the full state of a run under "
+                        "runs/, or a head folder with its trainer_state.json)")
+    if t.resume_weights_from and not (Path(t.resume_weights_from) / "trainer_state.json").is_file():
+        problems.append(f"--resume_weights_from {t.resume_weights_from}: no trainer_state.json there; pass a "
+                        "checkpoint's head/ folder (checkpoints/step-N/head) or a folder committed from one")
+    if t.evaluate_only and not d.eval_prompts:
+        problems.append(f"--evaluate_only {t.evaluate_only}: name the held-out prompts with --eval_prompts")
     if m.head == "early_exit" and m.exit_layer is None:
         problems.append("--head early_exit needs --exit_layer E (the number of base layers that draft)")
     if not d.dataset:
@@ -412,6 +436,7 @@ class RunRecord:
     started: float = field(default_factory=time.time)
     last_metrics: dict = field(default_factory=dict)
     stopped_at_step: int | None = None  # set when --max_train_seconds cut the run short
+    initialised_from: dict | None = None  # the run's first --init_from (kept when a later session continues it)
 
     @property
     def train_seconds(self) -> float:
@@ -419,24 +444,33 @@ class RunRecord:
 
     def state(self, step: int) -> dict:
         return {"completed_steps": step, "commands": self.commands, "train_seconds": self.train_seconds,
-                "last_metrics": self.last_metrics}
+                "last_metrics": self.last_metrics, "initialised_from": self.initialised_from}
 
     def resume(self, state: dict) -> int:
         self.commands = state.get("commands", []) + self.commands
         self.seconds_before = state.get("train_seconds", 0.0)
         self.last_metrics = state.get("last_metrics", {})
+        self.initialised_from = state.get("initialised_from", self.initialised_from)
         return state["completed_steps"]
 
 
-def save_checkpoint(accelerator, output_dir: Path, step: int, record: RunRecord) -> None:
+def save_checkpoint(accelerator, output_dir: Path, step: int, record: RunRecord, objective, dtype: str) -> None:
+    """The full state (``save_state``) and, in ``head/``, the head alone in ``dtype`` (what a session commits)."""
     directory = output_dir / "checkpoints" / f"step-{step}"
     accelerator.save_state(str(directory))
     if accelerator.is_main_process:
-        (directory / "trainer_state.json").write_text(json.dumps(record.state(step), indent=2))
+        state = json.dumps(record.state(step), indent=2)
+        (directory / "trainer_state.json").write_text(state)
+        head = accelerator.unwrap_model(objective).head
+        weights = {k: v.to(getattr(torch, dtype)) if v.is_floating_point() else v
+                   for k, v in head.state_dict().items()}  # a cast copy: the training head stays fp32
+        head.save_pretrained(directory / "head", state_dict=weights)
+        (directory / "head" / "trainer_state.json").write_text(state)
 
 
-def train(m, d, t, accelerator, objective, dataset, target, record: RunRecord) -> None:
-    """The loop: accumulate, clip, step, schedule, log, checkpoint (``record`` keeps the last logged metrics)."""
+def train(m, d, t, accelerator, objective, dataset, target, record: RunRecord, start_step: int = 0) -> None:
+    """The loop: accumulate, clip, step, schedule, log, checkpoint (``record`` keeps the last logged metrics).
+    ``start_step``: steps a ``--resume_weights_from`` head already took (schedule and data order continue there)."""
     loader = torch.utils.data.DataLoader(dataset, batch_size=t.per_device_batch_size, shuffle=True,
                                          collate_fn=collate)
     optimizer = torch.optim.AdamW([p for p in objective.parameters() if p.requires_grad], lr=t.learning_rate,
@@ -444,7 +478,8 @@ def train(m, d, t, accelerator, objective, dataset, target, record: RunRecord) -
     scheduler = get_cosine_schedule_with_warmup(optimizer, t.warmup_steps, t.max_steps * accelerator.num_processes)
     objective, optimizer, loader, scheduler = accelerator.prepare(objective, optimizer, loader, scheduler)
     target.to(accelerator.device)  # frozen: moved, not prepared (DDP refuses modules without trainable parameters)
-    output_dir, completed = Path(t.output_dir), 0
+    output_dir, completed = Path(t.output_dir), start_step
+    _advance(scheduler, start_step * accelerator.num_processes)
     checkpoint = find_checkpoint(output_dir, t.resume_from_checkpoint) if t.resume_from_checkpoint else None
     if checkpoint is not None:
         accelerator.load_state(str(checkpoint))
@@ -476,7 +511,7 @@ def train(m, d, t, accelerator, objective, dataset, target, record: RunRecord) -
             if completed % t.logging_steps == 0 or completed == t.max_steps:
                 _log(accelerator, output_dir, completed, window, scheduler)
             if completed % t.save_steps == 0 or completed == t.max_steps:
-                save_checkpoint(accelerator, output_dir, completed, record)
+                save_checkpoint(accelerator, output_dir, completed, record, objective, t.save_dtype)
             if completed >= t.max_steps or _out_of_time(t, record):
                 break
         if completed < t.max_steps and _out_of_time(t, record):
@@ -484,10 +519,20 @@ def train(m, d, t, accelerator, objective, dataset, target, record: RunRecord) -
                               f"{t.max_steps}")
             record.stopped_at_step = completed
             if completed % t.save_steps:
-                save_checkpoint(accelerator, output_dir, completed, record)
+                save_checkpoint(accelerator, output_dir, completed, record, objective, t.save_dtype)
             break
         epoch, skip = epoch + 1, 0
     bar.close()
+
+
+def _advance(scheduler, steps: int) -> None:
+    """Move the schedule to ``steps`` (a weights-only resume: no optimizer step has run in this process)."""
+    import warnings
+
+    with warnings.catch_warnings():  # "lr_scheduler.step() before optimizer.step()": intended here
+        warnings.simplefilter("ignore", UserWarning)
+        for _ in range(steps):
+            scheduler.scheduler.step()  # the wrapped LambdaLR: accelerate's wrapper steps only after an optimizer step
 
 
 def _out_of_time(t: TrainArguments, record: RunRecord) -> bool:
@@ -550,6 +595,18 @@ def held_out_conversations(d: DataArguments, target, tokenizer, cache_root: Path
                         distill_settings(d))
 
 
+def evaluate_saved(d: DataArguments, directory: str, target, tokenizer, cache_root: Path) -> dict:
+    """``held_out`` of the head saved in ``directory`` (fp32 compute), with the step its trainer_state.json names."""
+    from hf_kvspec.heads.registration import HEAD_CLASSES
+
+    model_type = json.loads((Path(directory) / "config.json").read_text())["model_type"]
+    head_class = {config.model_type: model for config, model in HEAD_CLASSES}[model_type]
+    head = head_class.from_pretrained(directory, dtype=torch.float32).attach(target).eval()
+    state_file = Path(directory) / "trainer_state.json"
+    step = json.loads(state_file.read_text())["completed_steps"] if state_file.is_file() else None
+    return {"head": directory, "step": step, **held_out(d, head, target, tokenizer, cache_root)}
+
+
 def finish(m, d, t, accelerator, objective, target, tokenizer, summary: dict, cache_root: Path) -> None:
     """Save the head, evaluate it on held-out prompts, write the card and summary, push if asked."""
     from hf_kvspec import hub
@@ -583,6 +640,9 @@ def main(argv: list[str] | None = None) -> None:
     target, tokenizer, recorded_name, hub_id = load_target(m.base_model)
     target.to(accelerator.device)  # self-distillation and feature extraction run where training runs
     cache_root = Path(d.data_cache_dir) if d.data_cache_dir else _default_cache()
+    if t.evaluate_only:  # no training data needed: the held-out answers come from the distillation cache
+        print(json.dumps(evaluate_saved(d, t.evaluate_only, target, tokenizer, cache_root)))
+        return
     with accelerator.main_process_first():
         sources = build_sources(d, target, tokenizer, cache_root)
     recipe = [row for row, _ in sources]
@@ -593,10 +653,15 @@ def main(argv: list[str] | None = None) -> None:
         accelerator.print(f"data ready: {json.dumps(recipe)}")
         return
     head = build_head(m, target, recorded_name)
-    warm = warm_start(head, m.init_from, target) if m.init_from else None
+    record = RunRecord(commands=["accelerate launch scripts/train_drafter.py " + shlex.join(argv)])
+    start_step, source = 0, t.resume_weights_from or m.init_from
+    if t.resume_weights_from:  # the committed head's step and run record; its weights are the warm start below
+        start_step = record.resume(json.loads((Path(source) / "trainer_state.json").read_text()))
+    warm = warm_start(head, source, target, m.init_across_layouts) if source else None
     if warm is not None:
+        fresh = f"; layout {warm.layout_change}, fresh: {', '.join(warm.left_fresh)}" if warm.layout_change else ""
         accelerator.print(f"--init_from {warm.source}: {warm.tensors_copied} tensors ({warm.parameters_copied:,} "
-                          f"parameters) copied; draft vocabulary: {warm.draft_vocab or 'none'}")
+                          f"parameters) copied; draft vocabulary: {warm.draft_vocab or 'none'}{fresh}")
     vocab = (TrainingVocabulary(target.config.vocab_size) if t.train_vocab == "full" else
              TrainingVocabulary.from_label_counts(dataset, target.config.vocab_size, t.train_vocab_size))
     if getattr(head, "has_draft_vocab", False):  # EAGLE-3 draft vocabulary: train the head's own [N, H] projection
@@ -604,13 +669,14 @@ def main(argv: list[str] | None = None) -> None:
             init_draft_vocab(head, most_frequent_labels(dataset, target.config.vocab_size, m.draft_vocab_size))
         vocab = HeadVocabulary(head)
     objective = make_objective(m, d, t, head, vocab)
-    record = RunRecord(commands=["accelerate launch scripts/train_drafter.py " + shlex.join(argv)])
-    train(m, d, t, accelerator, objective, dataset, target, record)
+    if warm is not None and not t.resume_weights_from:  # a resumed run keeps its first run's warm start
+        record.initialised_from = asdict(warm)
+    train(m, d, t, accelerator, objective, dataset, target, record, start_step)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         summary = {"command": "\n".join(record.commands),
                    "args": {**asdict(m), **asdict(d), **asdict(t)}, "base_model_hub_id": m.base_model_hub_id or hub_id,
-                   "data": recipe, "initialised_from": asdict(warm) if warm is not None else None,
+                   "data": recipe, "initialised_from": record.initialised_from,
                    "training_vocab_size": len(vocab.vocab_ids) if vocab.vocab_ids is not None else
                    target.config.vocab_size, "final_train_metrics": record.last_metrics,
                    "train_seconds": record.train_seconds, "stopped_at_step": record.stopped_at_step,

@@ -173,3 +173,35 @@ def test_every_committed_config_parses(config):
         from hf_kvspec.heads.warm_start import resolve_source
 
         assert (resolve_source(model.init_from) / "model.safetensors").is_file()
+
+
+def test_resume_weights_from_a_committed_head_continues_step_schedule_and_record(workspace, tmp_path, capsys):
+    """A checkpoint's head/ folder (what a session commits) continues the run in a new process: the step, the
+    learning-rate schedule and the run record carry on, the weights start where the folder left them; and
+    --evaluate_only measures such a folder on the held-out prompts without training."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    import train_drafter
+
+    common = ["--head", "eagle", "--base_model", str(workspace / "base"), "--dataset", str(workspace / "corpus.txt"),
+              "--label_source", "data", "--per_device_batch_size", "4", "--num_threads", "1", "--max_steps", "6",
+              "--warmup_steps", "2", "--logging_steps", "1", "--save_steps", "3", "--save_dtype", "float16",
+              "--data_cache_dir", str(workspace / "cache"), "--eval_prompts", str(workspace / "prompts.jsonl"),
+              "--distill_max_new_tokens", "4"]
+    train_drafter.main([*common, "--output_dir", str(tmp_path / "a")])
+    folder = tmp_path / "a" / "checkpoints" / "step-3" / "head"
+    state = json.loads((folder / "trainer_state.json").read_text())
+    assert state["completed_steps"] == 3 and {t.dtype for t in load_file(folder / "model.safetensors").values()} \
+        == {torch.float16}
+
+    train_drafter.main([*common, "--resume_weights_from", str(folder), "--output_dir", str(tmp_path / "c")])
+    first = [json.loads(line) for line in (tmp_path / "a" / "train_log.jsonl").read_text().splitlines()]
+    resumed = [json.loads(line) for line in (tmp_path / "c" / "train_log.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in resumed] == [4, 5, 6]
+    assert [row["lr"] for row in resumed] == [row["lr"] for row in first[3:]]  # the cosine goes on from step 3
+    summary = json.loads((tmp_path / "c" / "training_summary.json").read_text())
+    assert summary["train_seconds"] > state["train_seconds"] and len(summary["command"].splitlines()) == 2
+    assert summary["initialised_from"] is None  # the first run started fresh; the resumed one is not a fine-tune
+
+    train_drafter.main([*common, "--evaluate_only", str(folder)])
+    measured = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert measured["step"] == 3 and measured["prompts"] == 2 and 1.0 <= measured["tau"] <= 5.0

@@ -9,6 +9,7 @@ Source specs (``--dataset`` may be repeated):
     ``path/to/file.txt|.md|.rst`` local text files (one example per paragraph)
     ``path/to/file.jsonl|.json``  local JSON lines (a text column, a prompt column [+ response column], or a
                                   ``messages`` column of whole chats, as ``scripts/make_distill_data.py`` writes)
+    ``path/to/file.jsonl.gz``     any local file above, gzip-compressed (how chats are committed to the repo)
     ``name`` or ``name:config``   anything ``datasets.load_dataset`` accepts
 
 Held out: ``HeldOut`` keeps the evaluation prompts, their topics and their templates out of training; any training
@@ -49,14 +50,20 @@ def load_source(spec: str, split: str = "train"):
 
         return load_text_corpus(spec.removeprefix("corpus:"), split)
     path = Path(spec)
-    if path.suffix in _TEXT_SUFFIXES + _JSON_SUFFIXES and not path.exists():
+    suffix = file_format(path)
+    if suffix in _TEXT_SUFFIXES + _JSON_SUFFIXES and not path.exists():
         raise FileNotFoundError(f"--dataset {spec}: no such file.")
-    if path.suffix in _TEXT_SUFFIXES:
+    if suffix in _TEXT_SUFFIXES:  # datasets decompresses .gz data files itself
         return datasets.load_dataset("text", data_files=str(path), sample_by="paragraph", split="train")
-    if path.suffix in _JSON_SUFFIXES:
+    if suffix in _JSON_SUFFIXES:
         return datasets.load_dataset("json", data_files=str(path), split="train")
     name, _, config = spec.partition(":")
     return datasets.load_dataset(name, config or None, split=split)
+
+
+def file_format(path: Path) -> str:
+    """The format suffix of a local file, looking through gzip: ``chats.jsonl.gz`` -> ``.jsonl``."""
+    return Path(path.stem).suffix if path.suffix == ".gz" else path.suffix
 
 
 def read_prompts(path: str, column: str = "prompt") -> list[str]:

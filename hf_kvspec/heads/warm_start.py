@@ -9,6 +9,15 @@ set may start from a full-vocabulary head, or from one with another draft size. 
 are then left for the script to choose from the training data (``trained_vocab.init_draft_vocab``: the base LM
 head's rows), and every other tensor comes from the source. With the same draft size, the source's vocabulary and
 projection are kept.
+
+Changing the layout (``across_layouts=True``, CLI ``--init_across_layouts true``): an ``eagle1`` head may seed an
+``eagle3`` one (or the reverse), with other ``feature_layers``. The two layouts compute the same thing only after the
+attention (residual + attention output, the post-attention norm, the MLP, the final norm), so exactly those tensors
+are copied (``LAYOUT_CHANGE_KEEPS``). What feeds the attention differs: eagle1 reads
+``input_layernorm(fc(embed ⊕ feature))`` [B, T, H], eagle3 reads ``input_layernorm(embed) ⊕ hidden_norm(fused)``
+[B, T, 2H] with fused = ``fuse(f_a ⊕ f_b ⊕ f_c)``; no copy of ``fc`` into ``fuse`` or of the H-wide q/k/v into the
+2H-wide ones reproduces the source's function, so ``fuse``/``fc``, q/k/v, ``input_layernorm`` and ``hidden_norm``
+start fresh (listed in ``WarmStart.left_fresh``). It is a partial warm start, hence asked for by name.
 """
 
 from __future__ import annotations
@@ -21,6 +30,8 @@ import torch
 
 # Tensors that belong to a head's draft vocabulary; they may differ from the source's (see the module docstring).
 DRAFT_VOCAB_TENSORS = ("lm_head.weight", "d2t", "t2d")
+# Tensors an eagle1 <-> eagle3 layout change copies (name prefixes): the part of the layer after the attention.
+LAYOUT_CHANGE_KEEPS = ("layer.self_attn.o_proj.", "layer.post_attention_layernorm.", "layer.mlp.", "norm.")
 
 
 @dataclass
@@ -32,6 +43,8 @@ class WarmStart:
     parameters_copied: int
     draft_vocab: str | None  # None (no draft vocabulary), "from source" or "from data"
     source_training: dict | None = None  # the source's own training, from its training_summary.json (lineage)
+    layout_change: str | None = None     # e.g. "eagle1 -> eagle3" (see the module docstring), None when the same
+    left_fresh: list[str] | None = None  # tensors a layout change did not copy (their fresh initialisation stays)
 
     @property
     def draft_vocab_from_source(self) -> bool:
@@ -52,10 +65,11 @@ def resolve_source(source: str) -> Path:
     return path
 
 
-def warm_start(head, source: str, base_model) -> WarmStart:
+def warm_start(head, source: str, base_model, across_layouts: bool = False) -> WarmStart:
     """Copy the weights of the head at ``source`` into ``head`` (same class; see the module docstring).
 
     ``base_model`` is the frozen target: the source must have been trained for it (``attach`` checks the pairing).
+    ``across_layouts``: allow an eagle1 <-> eagle3 change and copy only ``LAYOUT_CHANGE_KEEPS``.
     Raises ``ValueError`` naming every tensor or config field that differs.
     """
     path = resolve_source(source)
@@ -64,16 +78,31 @@ def warm_start(head, source: str, base_model) -> WarmStart:
         raise ValueError(f"--init_from {source!r} holds a {model_type} head, but this run trains a "
                          f"{head.config.model_type} head. Start from a head of the same kind (--head must match).")
     donor = type(head).from_pretrained(path, dtype=torch.float32).attach(base_model)
-    _check_same_inputs(head.config, donor.config, source)
+    layout = _layout_change(head.config, donor.config) if across_layouts else None
+    if layout is None:
+        _check_same_inputs(head.config, donor.config, source)
     ours, theirs = head.state_dict(), donor.state_dict()
     draft_vocab = _draft_vocab_plan(head, donor)
+    if layout is not None and draft_vocab == "from source":  # a layout change copies no projection (see above)
+        draft_vocab = "from data"
     skip = set(DRAFT_VOCAB_TENSORS) if draft_vocab == "from data" else set()
+    if layout is not None:
+        skip |= {name for name in set(ours) | set(theirs) if not name.startswith(LAYOUT_CHANGE_KEEPS)}
     _check_same_tensors(ours, theirs, skip, head.config, donor.config, source)
     copied = {name: theirs[name] for name in ours if name in theirs and name not in skip}
     head.load_state_dict(copied, strict=False)
     return WarmStart(source=source, tensors_copied=len(copied),
                      parameters_copied=sum(t.numel() for t in copied.values()), draft_vocab=draft_vocab,
-                     source_training=source_training(path))
+                     source_training=source_training(path), layout_change=layout,
+                     left_fresh=sorted(set(ours) - set(copied) - set(DRAFT_VOCAB_TENSORS)) if layout else None)
+
+
+def _layout_change(config, donor_config) -> str | None:
+    """``"eagle1 -> eagle3"`` (or the reverse) when the EAGLE layouts differ, else None (the plain same-layout copy)."""
+    here, there = getattr(config, "architecture", None), getattr(donor_config, "architecture", None)
+    if here is None or here == there:
+        return None
+    return f"{there} -> {here}"
 
 
 def source_training(path: Path) -> dict | None:
@@ -105,7 +134,9 @@ def _check_same_inputs(config, donor_config, source: str) -> None:
               for key in _INPUT_FIELDS if getattr(config, key, None) != getattr(donor_config, key, None)]
     if differ:
         raise ValueError(f"--init_from {source!r} was trained on other inputs: {'; '.join(differ)}. Pass the "
-                         "source's values (e.g. --exit_layer, --feature_layers, --architecture) or train from scratch.")
+                         "source's values (e.g. --exit_layer, --feature_layers, --architecture), train from "
+                         "scratch, or, for an eagle1 <-> eagle3 change, pass --init_across_layouts true (copies the "
+                         "layer after its attention only).")
 
 
 def _check_same_tensors(ours: dict, theirs: dict, skip: set, config, donor_config, source: str) -> None:

@@ -16,7 +16,7 @@ from hf_kvspec.heads.modeling_eagle import EagleHead
 from hf_kvspec.heads.modeling_medusa import MedusaHeads
 from hf_kvspec.heads.pairing import BaseModelMismatchError
 from hf_kvspec.heads.trained_vocab import init_draft_vocab
-from hf_kvspec.heads.warm_start import warm_start
+from hf_kvspec.heads.warm_start import LAYOUT_CHANGE_KEEPS, warm_start
 from tests.tiny_models import tiny_model
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "train_drafter.py"
@@ -77,6 +77,27 @@ def test_same_draft_vocabulary_is_kept(base, tmp_path):
     assert warm_start(head, str(_saved(source, tmp_path / "src")), base).draft_vocab == "from source"
     assert torch.equal(head.draft_vocab_ids(), torch.arange(20, 30))
     assert torch.equal(head.lm_head.weight, source.lm_head.weight)
+
+
+def test_layout_change_copies_the_layer_after_its_attention_only(base, tmp_path):
+    source = _saved(_eagle(base, seed=1), tmp_path / "eagle1")          # eagle1, feature_layers [-1], full vocabulary
+    head = _eagle(base, seed=2, architecture="eagle3", feature_layers=[1, 2], draft_vocab_size=10)
+    fresh = {name: tensor.clone() for name, tensor in head.state_dict().items()}
+    report = warm_start(head, str(source), base, across_layouts=True)
+    theirs = load_file(source / "model.safetensors")
+    kept = sorted(name for name in fresh if name.startswith(LAYOUT_CHANGE_KEEPS))
+    assert kept == sorted(["layer.self_attn.o_proj.weight", "layer.post_attention_layernorm.weight", "norm.weight",
+                           "layer.mlp.gate_proj.weight", "layer.mlp.up_proj.weight", "layer.mlp.down_proj.weight"])
+    assert report.layout_change == "eagle1 -> eagle3" and report.draft_vocab == "from data"
+    assert report.tensors_copied == len(kept) and report.left_fresh == sorted(set(fresh) - set(kept) - {"lm_head.weight", "d2t", "t2d"})
+    for name, tensor in head.state_dict().items():  # copied bit for bit; everything else keeps its fresh init
+        assert torch.equal(tensor, theirs[name].float() if name in kept else fresh[name]), name
+    assert {"fuse.weight", "hidden_norm.weight", "layer.self_attn.q_proj.weight"} <= set(report.left_fresh)
+    back = _eagle(base, seed=3, draft_vocab_size=10)                     # the reverse direction; same draft size,
+    report = warm_start(back, str(_saved(head, tmp_path / "eagle3")), base, across_layouts=True)
+    assert (report.layout_change, report.draft_vocab) == ("eagle3 -> eagle1", "from data")  # but no projection
+    with pytest.raises(ValueError, match="--init_across_layouts true"):  # asked for by name only
+        warm_start(_eagle(base, 2, architecture="eagle3", feature_layers=[1, 2]), str(source), base)
 
 
 def test_refusals_name_the_difference(base, tmp_path):
