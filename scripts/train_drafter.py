@@ -316,11 +316,22 @@ def chat_source(d: DataArguments, spec: str, dataset, tokenizer, held_out) -> tu
     if held_out is not None:
         held_out.check(data_lib.user_turns(dataset), f"user turns of --dataset {spec}")
     found = [data_lib.message_example(tokenizer, chat, d.max_length) for chat in dataset[data_lib.MESSAGES]]
-    row = {"source": spec, "kind": "chat, self-distilled (self-instruct + reading tasks)", "sequences": len(found),
+    recipe = json.loads(recipe_path(spec).read_text()) if recipe_path(spec).is_file() else None
+    row = {"source": spec, "kind": chat_kind(recipe), "sequences": len(found),
            "tokens": sum(len(e["input_ids"]) for e in found)}
-    if recipe_path(spec).is_file():
-        row["recipe"] = json.loads(recipe_path(spec).read_text())
+    if recipe is not None:
+        row["recipe"] = recipe
     return row, found
+
+
+def chat_kind(recipe: dict | None) -> str:
+    """The card's label of a chats file, from the row names of its recipe (``make_distill_data.py``, packed or not):
+    ``"chat, self-distilled (self-instruct + reading tasks)"``; ``"chat"`` without a recipe."""
+    if recipe is None:
+        return "chat"
+    parts = dict.fromkeys("reading tasks" if name.startswith("reading") else "self-instruct"
+                          for name in recipe.get("rows", {}))
+    return f"chat, self-distilled ({' + '.join(parts)})" if parts else "chat, self-distilled"
 
 
 def conversations(d: DataArguments, target, tokenizer, pairs, cache_root: Path) -> list[dict]:

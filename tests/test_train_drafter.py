@@ -205,3 +205,15 @@ def test_resume_weights_from_a_committed_head_continues_step_schedule_and_record
     train_drafter.main([*common, "--evaluate_only", str(folder)])
     measured = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert measured["step"] == 3 and measured["prompts"] == 2 and 1.0 <= measured["tau"] <= 5.0
+
+
+def test_chat_kind_names_what_the_recipe_generated():
+    """The card's label follows the recipe's rows: a packed file without reading tasks does not claim them."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    import train_drafter
+
+    rows = {"reading: python-docs / greedy": 3, "self-instruct / greedy": 5, "self-instruct follow-up / greedy": 1}
+    assert train_drafter.chat_kind({"rows": rows}) == "chat, self-distilled (reading tasks + self-instruct)"
+    packed = {"rows": {"self-instruct / greedy": 970, "self-instruct / sampled t=0.7": 970}}
+    assert train_drafter.chat_kind(packed) == "chat, self-distilled (self-instruct)"
+    assert train_drafter.chat_kind(None) == "chat"
