@@ -73,13 +73,15 @@ class CardFields:
         args = summary.get("args", {})
         stopped = summary.get("stopped_at_step")
         steps = f"{stopped} of {args.get('max_steps')} planned" if stopped is not None else str(args.get('max_steps'))
+        seconds = summary.get("train_seconds")
+        wall = f"{seconds:.1f}" if isinstance(seconds, (int, float)) else seconds
         inference_vocab = ("the head drafts over the same vocabulary" if args.get("draft_vocab_size") else
                            "inference uses the full vocabulary")
         paragraph = (f"{steps} optimizer steps, batch {args.get('per_device_batch_size')} x "
                      f"{args.get('gradient_accumulation_steps')} accumulation, AdamW lr {args.get('learning_rate')} "
                      f"with {args.get('warmup_steps')} warm-up steps and cosine decay, labels from "
                      f"`{args.get('label_source')}`, training softmax over {summary.get('training_vocab_size')} "
-                     f"tokens ({inference_vocab}), {summary.get('train_seconds')} s wall clock.")
+                     f"tokens ({inference_vocab}), {wall} s wall clock.")
         if stopped is not None:
             paragraph += (f" The run was stopped by its `--max_train_seconds {args.get('max_train_seconds')}` cap "
                           f"after {stopped} of the {args.get('max_steps')} steps (the learning rate had not finished "

@@ -451,7 +451,7 @@ class RunRecord:
 
     @property
     def train_seconds(self) -> float:
-        return round(self.seconds_before + time.time() - self.started, 1)
+        return round(self.seconds_before + time.time() - self.started, 3)  # ms: a tiny run still counts
 
     def state(self, step: int) -> dict:
         return {"completed_steps": step, "commands": self.commands, "train_seconds": self.train_seconds,
