@@ -115,9 +115,8 @@ class AutoDraftLength(CallScoped):
     def start_call(self, batch: int) -> None:
         super().start_call(batch)
         self.untimed = 1  # the call's first round (one-time costs)
-        self.rows = None  # rows generating in the last round seen
         self.row_counts: dict[int, list[float]] = {}  # call row -> decayed [accepted, rejected] (prior 1:1)
-        self.live_rows: list[int] = []  # call rows generating in the last round seen
+        self.live_rows: list[int] | None = None  # call rows generating in the last round seen (None: no round yet)
 
     def _rows_changed(self) -> None:
         """Rows left the batch: the verify cost was measured with more rows (attention grows with them), so it is
@@ -127,20 +126,22 @@ class AutoDraftLength(CallScoped):
         self.verify_time = _Decayed(self.decay)
         self.accepted = self.rejected = 1.0
 
+    @staticmethod
+    def _live_call_rows(outcome) -> list[int]:
+        """The call rows of ``outcome``'s alive rows (active row i is call row ``call_rows[i]``, else i)."""
+        rows = outcome.call_rows if outcome.call_rows is not None else range(len(outcome.alive))
+        return [row for row, alive in zip(rows, outcome.alive.tolist()) if alive]
+
     def _update_rows(self, outcome, k: int) -> None:
         """Each live row's own decayed acceptance, keyed by its call row."""
-        rows = outcome.call_rows if outcome.call_rows is not None else range(len(outcome.alive))
-        live = [(row, int(n)) for row, n, alive in zip(rows, outcome.num_accepted.tolist(), outcome.alive.tolist())
-                if alive]
-        for row, n in live:
+        accepted = outcome.num_accepted[outcome.alive].tolist()
+        for row, n in zip(self.live_rows, accepted):
             counts = self.row_counts.setdefault(row, [1.0, 1.0])
             counts[0] = self.decay * counts[0] + n
             counts[1] = self.decay * counts[1] + (n < k)
-        self.live_rows = [row for row, _ in live]
 
     def reset(self) -> None:
-        self.untimed, self.rows = 1, None
-        self.row_counts, self.live_rows = {}, []
+        self.untimed, self.row_counts, self.live_rows = 1, {}, None
         self.accepted = 1.0  # prior: a = 0.5 worth one observation each way
         self.rejected = 1.0
         self.draft_time = _Decayed(self.decay)  # x = tokens drafted, y = seconds
@@ -152,7 +153,7 @@ class AutoDraftLength(CallScoped):
     def alpha(self) -> float:
         """The acceptance the choice uses: the least-accepting live row's when several rows are tracked, else
         the pooled estimate (module docstring)."""
-        if len(self.live_rows) > 1:
+        if self.live_rows is not None and len(self.live_rows) > 1:
             return min(self.row_alpha(row) for row in self.live_rows)
         return self.pooled_alpha
 
@@ -194,10 +195,10 @@ class AutoDraftLength(CallScoped):
     def update(self, outcome) -> None:
         """Fold in a ``RoundOutcome`` (num_draft_tokens, num_accepted [B] of the ``alive`` rows, seconds)."""
         k = outcome.num_draft_tokens
-        rows = int(outcome.alive.sum())
-        if self.rows is not None and rows != self.rows:
+        live = self._live_call_rows(outcome)
+        if self.live_rows is not None and live != self.live_rows:
             self._rows_changed()
-        self.rows = rows
+        self.live_rows = live  # every round, drafting or not: a row that left never paces the next choice
         timed = self.untimed == 0
         self.untimed = max(self.untimed - 1, 0)
         if timed:

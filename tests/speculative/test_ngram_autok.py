@@ -141,6 +141,26 @@ def test_auto_k_paces_a_batch_by_the_row_that_accepts_least():
     assert auto.live_rows == [0, 1, 3] and auto.alpha > 0.8 and auto.choose() >= 3
 
 
+def test_a_row_that_leaves_in_a_plain_round_stops_pacing_the_choice():
+    """The least-accepting row holds K at 0; it finishes during one of those plain rounds (K = 0). From that round
+    on the rows still generating are the ones tracked: the acceptance the choice uses is theirs, not the departed
+    row's, and the next round drafts again."""
+    auto = AutoDraftLength(max_draft_tokens=8)
+    auto.start_call(4)
+    for _ in range(12):
+        k = max(auto.choose(), 1)
+        auto.update(RoundOutcome(kept_width=0, num_accepted=torch.tensor([k, k, 0, k]),
+                                 alive=torch.ones(4, dtype=torch.bool), num_draft_tokens=k, draft_time_s=0.02 * k,
+                                 verify_time_s=0.2 * (1 + 0.15 * k), call_rows=[0, 1, 2, 3]))
+    assert auto.choose() == 0 and auto.alpha == auto.row_alpha(2) < 0.2
+    auto.update(RoundOutcome(kept_width=0, num_accepted=torch.zeros(4, dtype=torch.long),
+                             alive=torch.tensor([True, True, False, True]), num_draft_tokens=0, draft_time_s=0.0,
+                             verify_time_s=0.2, call_rows=[0, 1, 2, 3]))
+    assert auto.live_rows == [0, 1, 3]
+    assert auto.alpha == min(auto.row_alpha(row) for row in (0, 1, 3)) > 0.8
+    assert auto.choose() > 0  # the three rows left accept nearly everything: draft again
+
+
 def test_auto_k_refuses_a_draft_as_costly_as_the_target():
     auto = AutoDraftLength(max_draft_tokens=8)
     for step in range(20):
