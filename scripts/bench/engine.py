@@ -26,7 +26,6 @@ average before and after. Results: ``benchmarks/results/engine.{json,md,png}``.
 from __future__ import annotations
 
 import itertools
-import os
 import random
 import time
 from collections.abc import Callable
@@ -34,7 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from bench.harness import Report, save_plot
+from bench.harness import Report, load_average, save_plot
 
 COLUMNS = ["rate", "system", "completed", "output_tokens", "seconds", "tok_per_s", "vs_hf", "vs_static",
            "ttft_p50", "ttft_p99", "itl_p50", "itl_p99", "block_util", "slot_util", "setup_s", "same_as_engine", "load_before", "load_after"]
@@ -307,10 +306,10 @@ def run_all(model, prompts, args, eos_ids: set[int], pad_id: int, tokenizer=None
         arrivals = arrival_times(len(prompts), rate, args.seed)
         rows = {}
         for name, run in runners.items():
-            load_before = os.getloadavg()[0]
+            load_before = load_average()
             traces, extra = run(prompts, arrivals)
             rows[name] = {"rate": "all" if rate is None else rate, "system": name, **summarize(traces), **extra,
-                          "load_before": round(load_before, 2), "load_after": round(os.getloadavg()[0], 2),
+                          "load_before": round(load_before, 2), "load_after": round(load_average(), 2),
                           "_outputs": [t.output_ids for t in traces]}
         for row in rows.values():
             _add_ratios(row, rows)

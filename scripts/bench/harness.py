@@ -49,6 +49,25 @@ def measure(fn: Callable[[], object], warmup: int = 1, repeats: int = 3) -> Timi
     return Timing(statistics.median(samples), samples)
 
 
+def load_average() -> float:
+    """The 1-minute load average (the figure each benchmark records before and after a run)."""
+    return os.getloadavg()[0]
+
+
+def load_averages() -> str:
+    """The 1-, 5- and 15-minute load averages as one string, e.g. ``"0.41 0.63 0.80"``."""
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def wait_until_quiet(max_load: float, wait: float) -> float:
+    """Wait (up to ``wait`` seconds) for the 1-minute load average to fall below ``max_load``; returns the load."""
+    deadline = time.monotonic() + wait
+    while load_average() >= max_load and time.monotonic() < deadline:
+        print(f"    load {load_average():.2f} >= {max_load}: waiting", flush=True)
+        time.sleep(10)
+    return load_average()
+
+
 def environment() -> dict:
     import transformers
 

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import os
 import statistics
 import time
 
@@ -45,7 +44,7 @@ from transformers import DynamicCache
 from transformers.generation.streamers import BaseStreamer
 
 import hf_kvspec
-from bench.harness import Report
+from bench.harness import Report, load_average, wait_until_quiet
 from hf_kvspec.cache.views import StreamingView
 from hf_kvspec.memory import kv_cache_bytes, quantized_view_bytes, sparse_view_bytes
 from hf_kvspec.speculative.drafters.view_costs import ViewBytes, model_weight_bytes
@@ -89,19 +88,6 @@ class ColumnTimer(BaseStreamer):
 
     def time_to(self, n: int, start: float) -> float:
         return self.times[n - 1] - start
-
-
-def _load() -> float:
-    return os.getloadavg()[0]
-
-
-def _quiet(max_load: float, wait: float) -> float:
-    """Wait (up to ``wait`` seconds) for the 1-minute load average to fall below ``max_load``; returns the load."""
-    deadline = time.monotonic() + wait
-    while _load() >= max_load and time.monotonic() < deadline:
-        print(f"    load {_load():.2f} >= {max_load}: waiting", flush=True)
-        time.sleep(10)
-    return _load()
 
 
 # ---------------------------------------------------------------------------------------------------- runs
@@ -212,12 +198,12 @@ def _measure(model, ids: torch.Tensor, args, report: Report) -> list[dict]:
     _warm_up(model, ids)
     rows = []
 
-    load_before = _quiet(args.max_load, args.load_wait)
+    load_before = wait_until_quiet(args.max_load, args.load_wait)
     cache = DynamicCache(config=model.config)
     plain_ids, timer, start, _ = _generate(model, ids, cache, None, new_tokens)
     prefill_s = timer.time_to(1, start)
     plain = _phase_times(timer, start, counts, prefill_s, own_prefill=True)
-    plain_load = f"{load_before:.2f} -> {_load():.2f}"
+    plain_load = f"{load_before:.2f} -> {load_average():.2f}"
     cache.crop(ids.shape[1] - 1 - cache.get_seq_length())  # the prompt minus its last token: every other method's start
     costs = _step_costs(model, cache, ids, args)
     print(f"  prefill {prefill_s:.1f} s; step {costs['step_ms']:.0f} ms, c_v {costs['c_v']:.2f}, "
@@ -227,11 +213,11 @@ def _measure(model, ids: torch.Tensor, args, report: Report) -> list[dict]:
         if method == "plain":
             times, load, out, same = plain, plain_load, None, True
         else:
-            load_before = _quiet(args.max_load, args.load_wait)
+            load_before = wait_until_quiet(args.max_load, args.load_wait)
             sequences, timer, start, out = _generate(model, ids, copy.deepcopy(cache), _assistant(method, args),
                                                      new_tokens)
             times = _phase_times(timer, start, counts, prefill_s, own_prefill=False)
-            load, same = f"{load_before:.2f} -> {_load():.2f}", torch.equal(sequences, plain_ids)
+            load, same = f"{load_before:.2f} -> {load_average():.2f}", torch.equal(sequences, plain_ids)
             if not same:
                 print(f"  WARNING: {method} differs from plain greedy at {context} x {batch}", flush=True)
         rows.append(_row(model, method, context, batch, args, times, plain, out, costs, same, load, prefill_s))
@@ -273,12 +259,12 @@ def _row(model, method, context, batch, args, times, plain, out, costs, same, lo
 
 def _validate(model, ids, args, new_tokens, counts, plain) -> dict:
     """``auto`` end to end from an empty cache (its own prefill): checks the shared-prefill accounting."""
-    load_before = _quiet(args.max_load, args.load_wait)
+    load_before = wait_until_quiet(args.max_load, args.load_wait)
     _, timer, start, out = _generate(model, ids, None, _assistant("auto", args), new_tokens)
     times = _phase_times(timer, start, counts, 0.0, own_prefill=True)
     row = dict(context=ids.shape[1], batch=ids.shape[0], method="auto (own prefill)", tpot_ms=times["tpot_ms"],
                ratio_decode=plain["tpot_ms"] / times["tpot_ms"], prefill_s=timer.time_to(1, start),
-               tau=out.acceptance.tokens_per_target_forward, load=f"{load_before:.2f} -> {_load():.2f}")
+               tau=out.acceptance.tokens_per_target_forward, load=f"{load_before:.2f} -> {load_average():.2f}")
     for n in counts:
         row[f"e2e_{n}_s"] = times["e2e"][n]
         row[f"ratio_e2e_{n}"] = plain["e2e"][n] / times["e2e"][n]

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import statistics
 import time
 from pathlib import Path
@@ -26,7 +25,7 @@ import torch
 from transformers import DynamicCache
 
 import hf_kvspec
-from bench.harness import Report
+from bench.harness import Report, load_averages
 from bench.spec_bounds import speedup_bound
 from bench.spec_inputs import BATCH_SUMMARIES, PROMPTS, chat_inputs, new_tokens
 
@@ -127,7 +126,7 @@ def run(args) -> None:
     model, tokenizer = hf_kvspec.load_bundled_model()
     eos_id = model.generation_config.eos_token_id
     eos_id = eos_id[0] if isinstance(eos_id, list) else eos_id
-    load_before = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    load_before = load_averages()
     costs = cost_table(model)
     # what the loop runs: one-row steps stock (it routes only forwards of several rows), the rest routed; so
     # c_v and the bound are in stock one-token steps, as the issue defines them
@@ -150,7 +149,7 @@ def run(args) -> None:
         f"Decode kernels: {costs['kernels']['bytes_held'] / 2**20:.0f} MiB of weight copies held; kernel per shape "
         f"and row bucket: {json.dumps(next(iter(costs['kernels']['plans'].values()), {}))}.",
         f"Load average (1, 5, 15 min) before: {load_before}; after: "
-        + " ".join(f"{x:.2f}" for x in os.getloadavg()) + ".",
+        + load_averages() + ".",
         "vs_plain = speed / stock plain generate; vs_plain_kernels = speed / plain generate inside DecodeKernels; "
         "nodes = mean drafts verified per round; c_v = mean c_v(N + 1) over the rounds (ours; bs B: "
         "c_v(B (N + 1)) / c_v(B)); draft_steps = draft seconds per round / one step; bound = tau / (c_v + draft_steps); fallback_rounds = share of rounds that drafted nothing "

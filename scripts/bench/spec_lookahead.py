@@ -29,7 +29,7 @@ import time
 import torch
 
 from bench import spec_bounds
-from bench.harness import Report
+from bench.harness import Report, load_averages
 from bench.spec_bounds import interpolate, monotone, new_tokens
 
 TITLE = "Lookahead decoding vs plain generate and NgramAssistant (exact; tau, c_v of the combined forward, bound)"
@@ -181,7 +181,7 @@ def run(args) -> None:
     samples = {index: {m: [] for m in methods} for index in range(len(cells))}
     costs: dict[int, list[float]] = {}
     context = int(statistics.median(c[2]["input_ids"].shape[1] for c in cells)) + args.new_tokens // 2
-    load_before = _load_average()
+    load_before = load_averages()
     for repeat in range(args.repeats):
         for tokens, seconds in forward_costs(model, context, model.config.vocab_size).items():
             costs.setdefault(tokens, []).append(seconds)
@@ -198,7 +198,7 @@ def run(args) -> None:
                     settings={"methods": methods, "new_tokens": args.new_tokens, "repeats": args.repeats,
                               "prompt_sets": args.prompt_sets, "prompts_per_set": args.num_prompts,
                               "modes": args.modes, "threads": torch.get_num_threads(), "model": description,
-                              "load_average_before_after": [load_before, _load_average()]})
+                              "load_average_before_after": [load_before, load_averages()]})
     _add_rows(report, cells, samples, methods, cost_v, step_s, eos_id)
     report.notes += [
         f"One 1-token forward (warm {context}-token cache): {step_s * 1e3:.2f} ms; c_v(T) (monotone fit): "
@@ -223,7 +223,3 @@ def _add_rows(report, cells, samples, methods, cost_v, step_s, eos_id) -> None:
             report.add(**_row(kind, mode, method, picked[method], rates, cost_v, step_s, equal, eos_id))
 
 
-def _load_average() -> str:
-    import os
-
-    return " ".join(f"{x:.2f}" for x in os.getloadavg())

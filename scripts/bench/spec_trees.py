@@ -30,7 +30,7 @@ import time
 import torch
 
 from bench import spec_bounds
-from bench.harness import Report
+from bench.harness import Report, load_averages
 from bench.spec_bounds import COLUMNS, aggregate_rows, bound_notes, monotone
 
 TITLE = "Medusa / EAGLE heads with tree verification on SmolLM2-135M (CPU): tau, bound and speed vs plain"
@@ -162,7 +162,7 @@ def run(args) -> None:
     for method in methods:  # warm-up: every path once
         _generate(model, heads, method, _chat_inputs(tokenizer, ["Hi"]), MODES["greedy"], 8)
     costs: dict[int, list[float]] = {}
-    load_before = _load()
+    load_before = load_averages()
     samples = _run_cells(model, heads, methods, cells, args, costs)
     cost_v = monotone({t: statistics.median(s) / statistics.median(costs[1]) for t, s in costs.items()})
     step_s = statistics.median(costs[1])
@@ -173,14 +173,10 @@ def run(args) -> None:
                               "modes": args.modes,
                               "batch": "" if args.skip_batch else "bs=4 greedy on 4 prompts spread over the file",
                               "threads": torch.get_num_threads(), "model": "smollm2-135m-instruct fp32",
-                              "load_average_before_after": [load_before, _load()]})
+                              "load_average_before_after": [load_before, load_averages()]})
     for row in aggregate_rows(samples, methods, cost_v, step_s, eos[0] if isinstance(eos, list) else eos):
         report.add(**row)
-    report.notes += bound_notes(report.rows, cost_v, step_s, load_before, _load())
+    report.notes += bound_notes(report.rows, cost_v, step_s, load_before, load_averages())
     report.write()
 
 
-def _load() -> str:
-    import os
-
-    return " ".join(f"{x:.2f}" for x in os.getloadavg())

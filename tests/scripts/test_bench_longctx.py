@@ -68,15 +68,6 @@ def test_timer_counts_plain_and_speculative_generate(bench, model, batch):
         assert len(set(timer.times)) <= out.acceptance.rounds + 1  # the prefill's token, then one stamp per round
 
 
-def test_quiet_waits_for_the_load_to_fall(bench, monkeypatch):
-    loads, sleeps = iter([3.0, 3.0, 2.0, 2.0, 1.0, 1.0]), []
-    monkeypatch.setattr(bench.os, "getloadavg", lambda: (next(loads), 0.0, 0.0))
-    monkeypatch.setattr(bench.time, "sleep", sleeps.append)
-    assert bench._quiet(1.5, wait=100) == 1.0 and sleeps == [10, 10]
-    monkeypatch.setattr(bench.os, "getloadavg", lambda: (9.0, 0.0, 0.0))
-    assert bench._quiet(1.5, wait=0) == 9.0  # no wait left: the load seen is recorded
-
-
 def test_bad_options_are_refused(bench):
     with pytest.raises(SystemExit, match="--methods"):
         bench.make_report(_args(bench, ["--methods", "plain,dense"]))
