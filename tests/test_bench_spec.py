@@ -136,6 +136,24 @@ def test_method_names_are_checked():
     assert spec_trees._options("m", ["vocab4096", "auto"]) == {"draft_vocab_size": 4096, "num_draft_tokens": "auto"}
 
 
+def test_head_path_loads_a_trained_folder_in_place_of_the_bundled_head(tmp_path):
+    from hf_kvspec.heads.configuration import EagleConfig
+    from hf_kvspec.heads.modeling_eagle import EagleHead
+    from tests.tiny_models import tiny_model
+
+    model = tiny_model("llama", seed=0)
+    torch.manual_seed(0)
+    saved = EagleHead(EagleConfig.for_base_model(model, "tiny", feature_layers=[0, 1, 2], architecture="eagle3",
+                                                  draft_vocab_size=16))
+    saved.save_pretrained(tmp_path)
+    loaded = spec_trees.load_heads("eagle", model, str(tmp_path))
+    assert loaded.config.architecture == "eagle3" and not loaded.training
+    for name, tensor in saved.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], tensor), name
+    with pytest.raises(SystemExit, match="medusa or eagle"):
+        spec_trees.load_heads("early_exit", model, str(tmp_path))
+
+
 def test_held_out_prompts_spread_evenly():
     everything = spec_trees.held_out_prompts(10_000)
     picked = spec_trees.held_out_prompts(5)

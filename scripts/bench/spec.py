@@ -94,6 +94,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--lookahead-methods", default="",
                         help="with --assistant lookahead: comma list (see bench/spec_lookahead.py)")
     parser.add_argument("--tree-methods", default="", help="with --assistant: comma list (see bench/spec_trees.py)")
+    parser.add_argument("--head-path", default=None,
+                        help="with --assistant medusa|eagle: a trained head folder (config.json + model.safetensors, "
+                             "e.g. a checkpoint's head/) in place of the bundled head")
     parser.add_argument("--num-prompts", type=int, default=35, help="with --assistant: held-out prompts (evenly spread)")
     parser.add_argument("--defaults", action="store_true",
                         help="every assistant with its defaults vs plain generate with and without the decode kernels, "

@@ -1,7 +1,7 @@
 """Medusa and EAGLE through tree verification: chain vs static tree vs dynamic tree against plain ``generate``.
 
     python scripts/benchmark.py spec --assistant medusa|eagle [--tree-methods M1,M2,..] [--num-prompts 35] [--repeats 3]
-                                     [--modes greedy,t=0.7] [--skip-batch] [--part NAME]
+                                     [--modes greedy,t=0.7] [--skip-batch] [--part NAME] [--head-path DIR]
 
 Boundary: runs the bundled SmolLM2-135M-Instruct with its committed heads on the held-out chat prompts (the prompts
 the heads' cards are evaluated on, ``scripts/train_configs/chat_prompts_heldout.jsonl``) and writes one results
@@ -89,6 +89,18 @@ def _measured_choices(nodes: int) -> list[tuple[int, ...]]:
     return list(best_choices(values, nodes))
 
 
+def load_heads(kind: str, model, head_path: str | None = None):
+    """The bundled ``kind`` head, or the trained head folder ``head_path`` (its class from ``kind``), attached."""
+    import hf_kvspec
+
+    if head_path is None:
+        return hf_kvspec.load_bundled_heads(kind, base_model=model)
+    if kind not in ("medusa", "eagle"):
+        raise SystemExit(f"--head-path works with --assistant medusa or eagle, not {kind!r}")
+    model_class = hf_kvspec.MedusaHeads if kind == "medusa" else hf_kvspec.EagleHead
+    return model_class.from_pretrained(head_path, dtype=torch.float32).eval().attach(model)
+
+
 def held_out_prompts(count: int) -> list[str]:
     """``count`` prompts spread evenly over the held-out file (all of them when count >= its size)."""
     from pathlib import Path
@@ -149,7 +161,7 @@ def run(args) -> None:
     import hf_kvspec
 
     model, tokenizer = hf_kvspec.load_bundled_model()
-    heads = hf_kvspec.load_bundled_heads(args.assistant, base_model=model)
+    heads = load_heads(args.assistant, model, getattr(args, "head_path", None))
     methods = ["plain", *[m for m in (args.tree_methods or DEFAULT_METHODS[args.assistant]).split(",")
                           if m and m != "plain"]]
     for method in methods[1:]:
@@ -173,6 +185,7 @@ def run(args) -> None:
                               "modes": args.modes,
                               "batch": "" if args.skip_batch else "bs=4 greedy on 4 prompts spread over the file",
                               "threads": torch.get_num_threads(), "model": "smollm2-135m-instruct fp32",
+                              "head": getattr(args, "head_path", None) or f"bundled {args.assistant}",
                               "load_average_before_after": [load_before, load_averages()]})
     for row in aggregate_rows(samples, methods, cost_v, step_s, eos[0] if isinstance(eos, list) else eos):
         report.add(**row)
