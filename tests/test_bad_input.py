@@ -99,6 +99,21 @@ def test_switch_state_is_per_model():
 _MODEL = None
 
 
+def _linear_attention_config():
+    """A copy of the tiny config whose odd layers are linear attention (a hybrid model's layer kind)."""
+    import copy
+
+    config = copy.deepcopy(_model().config)
+    config.layer_types = ["full_attention", "linear_attention"] * (config.num_hidden_layers // 2)
+    return config
+
+
+def _ragged(config):
+    from hf_kvspec.cache.ragged import RaggedPagedCache
+
+    return RaggedPagedCache(config, num_blocks=8)
+
+
 def _model():
     global _MODEL
     if _MODEL is None:
@@ -143,6 +158,10 @@ BAD_INPUTS = [
      ValueError, "positive integer"),
     ("PagedCache(config, memory_budget='lots')", lambda: hf_kvspec.PagedCache(_model().config, memory_budget="lots"),
      ValueError, "80GiB"),
+    ("PagedCache(config with linear attention)", lambda: hf_kvspec.PagedCache(_linear_attention_config(), 8),
+     ValueError, "this config has ['linear_attention']"),
+    ("RaggedPagedCache(config with linear attention)", lambda: _ragged(_linear_attention_config()), ValueError,
+     "RaggedPagedCache supports ('full_attention', 'sliding_attention')"),
     ("QuantizedKVCache(config, method='KIVI')", lambda: hf_kvspec.QuantizedKVCache(_model().config, method="KIVI"),
      ValueError, "'kivi'"),
     ("QuantizedKVCache(config, sink_tokens=-1)", lambda: hf_kvspec.QuantizedKVCache(_model().config, sink_tokens=-1),

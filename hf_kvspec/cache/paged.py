@@ -72,9 +72,8 @@ from hf_kvspec.stored_kv import PagedKV
 from .block_pool import BlockPool
 from .block_table import BlockTables
 from .contract import Capabilities, check_config_arg, check_crop_arg, check_crop_length, check_keep_args, layer_ids
-from .paged_layer import PagedLayer
+from .paged_layer import PagedLayer, check_layer_types
 
-_SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
 DEFAULT_BLOCK_SIZE = 16  # tokens per page
 _DEFAULT_BUDGET_FRACTION = 0.25  # of free device memory, when neither num_blocks nor memory_budget is given
 
@@ -117,9 +116,7 @@ class PagedCache(Cache, Capabilities):
         check_config_arg(config, "PagedCache")
         text_config = config.get_text_config(decoder=True)
         layer_types, layer_kwargs = _compat.layer_types_and_kwargs(text_config)
-        unsupported = sorted(set(layer_types) - set(_SUPPORTED_LAYER_TYPES))
-        if unsupported:
-            raise ValueError(f"PagedCache supports {_SUPPORTED_LAYER_TYPES} layers; this config has {unsupported}.")
+        check_layer_types(layer_types, "PagedCache")
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size must be a positive integer, got {block_size!r}.")
         if num_blocks is None:

@@ -17,6 +17,15 @@ from transformers.cache_utils import CacheLayerMixin
 from hf_kvspec.attention.paged import gather_blocks
 from hf_kvspec.stored_kv import PagedKV
 
+SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")  # what a PagedLayer stores (a window is a length)
+
+
+def check_layer_types(layer_types, cache_name: str) -> None:
+    """Refuse a config whose layers a ``PagedLayer`` cannot hold (e.g. linear attention), naming them."""
+    unsupported = sorted(set(layer_types) - set(SUPPORTED_LAYER_TYPES))
+    if unsupported:
+        raise ValueError(f"{cache_name} supports {SUPPORTED_LAYER_TYPES} layers; this config has {unsupported}.")
+
 
 class PagedLayer(CacheLayerMixin):
     """One layer's K/V pages ``[N, P, Hkv, D]`` and its length. The block tables are shared by all layers

@@ -48,8 +48,8 @@ from hf_kvspec.memory import is_mla, parse_bytes
 
 from .block_pool import BlockPool
 from .block_table import BlockTables
-from .paged import _SUPPORTED_LAYER_TYPES, blocks_for_budget
-from .paged_layer import PagedLayer
+from .paged import blocks_for_budget
+from .paged_layer import PagedLayer, check_layer_types
 
 RAGGED_ATTN_NAME = "kvspec_ragged"
 
@@ -95,10 +95,7 @@ class RaggedPagedCache(Cache):
                  dtype: torch.dtype = torch.float32):
         text_config = config.get_text_config(decoder=True)
         layer_types, layer_kwargs = _compat.layer_types_and_kwargs(text_config)
-        unsupported = sorted(set(layer_types) - set(_SUPPORTED_LAYER_TYPES))
-        if unsupported:
-            raise ValueError(f"RaggedPagedCache supports {_SUPPORTED_LAYER_TYPES} layers; this config has "
-                             f"{unsupported}.")
+        check_layer_types(layer_types, "RaggedPagedCache")
         if is_mla(text_config):
             raise ValueError("RaggedPagedCache does not hold MLA (DeepSeek-V2/V3) latents yet: the model's attention "
                              "expands its cached latent itself. Serve MLA models with generate() and PagedCache.")
