@@ -344,7 +344,8 @@ def _print_stats(new_tokens: int, elapsed: float, kv_bytes: int, cache_name: str
 
 def _add_export_heads(subparsers) -> None:
     p = subparsers.add_parser("export-heads", help="write a trained head in a serving layout (vLLM, SGLang)")
-    p.add_argument("head_dir", help="directory of a head saved by scripts/train_drafter.py")
+    p.add_argument("head_dir", help="directory of a head saved by scripts/train_drafter.py, or bundled:KIND for a "
+                                    "head shipped with the package (bundled:medusa, bundled:eagle, ...)")
     p.add_argument("--format", required=True, choices=("speculators", "sglang", "vllm-medusa"),
                    help="speculators: vLLM via the speculators EAGLE-3 config; sglang: LlamaForCausalLMEagle3; "
                         "vllm-medusa: vLLM's Medusa model")
@@ -364,9 +365,20 @@ def _run_export_heads(args) -> None:
     except OSError as err:
         raise ValueError(f"--base_model {spec!r} could not be loaded ({err}); pass a local model directory, a Hub "
                          "id, or bundled:NAME.") from None
-    out = export_head(args.head_dir, args.format, args.out, base_model=base,
+    out = export_head(_head_dir(args.head_dir), args.format, args.out, base_model=base,
                       speculative_tokens=args.speculative_tokens)
     print(f"wrote {args.format} layout to {out}")
+
+
+def _head_dir(spec: str):
+    """``export-heads``' head: a directory, or ``bundled:KIND`` (the committed head of that kind)."""
+    from pathlib import Path
+
+    if spec.startswith("bundled:"):
+        from hf_kvspec.heads.bundled import bundled_heads_path
+
+        return bundled_heads_path(spec.partition(":")[2])  # an unknown kind is refused, naming the known ones
+    return Path(spec)
 
 
 def _export_base_spec(args) -> str:
@@ -374,7 +386,7 @@ def _export_base_spec(args) -> str:
     import json
     from pathlib import Path
 
-    head, out = Path(args.head_dir), Path(args.out)
+    head, out = _head_dir(args.head_dir), Path(args.out)
     if not head.is_dir():
         raise ValueError(f"head directory {str(head)!r} is not a directory; pass the directory "
                          "scripts/train_drafter.py saved.")

@@ -87,3 +87,20 @@ def test_unknown_bundled_head_kind_names_the_kinds():
 
     with pytest.raises(ValueError, match=r"kind must be one of .*'hydra'"):
         load_bundled_heads("hydra")
+
+
+def test_export_heads_takes_a_bundled_head_by_kind(tmp_path, capsys):
+    """``export-heads bundled:KIND``: the committed Medusa heads go to vLLM's Medusa layout (their weights intact);
+    the committed EAGLE head is our EAGLE-1 layer, which neither engine loads, and the refusal names the fix."""
+    from hf_kvspec.cli import main
+
+    assert main(["export-heads", "bundled:medusa", "--format", "vllm-medusa", "--out", str(tmp_path / "m")]) == 0
+    exported = load_file(str(tmp_path / "m" / "model.safetensors"))
+    stored = load_file(str(bundled_heads_path("medusa") / "model.safetensors"))
+    for k in range(4):  # vLLM names head k's residual block blocks.k.layers.0
+        for part in ("weight", "bias"):
+            assert torch.equal(exported[f"blocks.{k}.layers.0.{part}"], stored[f"heads.{k}.blocks.0.linear.{part}"])
+    assert json.loads((tmp_path / "m" / "config.json").read_text())["num_heads"] == 4
+    capsys.readouterr()
+    assert main(["export-heads", "bundled:eagle", "--format", "speculators", "--out", str(tmp_path / "e")]) == 2
+    assert "Retrain with --architecture eagle3" in capsys.readouterr().err

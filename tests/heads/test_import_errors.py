@@ -121,6 +121,7 @@ def saved_head(base, tmp_path_factory):
     (lambda r: [str(r), "--out", str(r / "o2")], "holds no config.json"),
     (lambda r: [str(r / "head"), "--out", str(r / "o3"), "--base_model", str(r / "nope")], "--base_model"),
     (lambda r: [str(r / "head"), "--out", str(r / "head" / "config.json")], "--out .* is a file"),
+    (lambda r: ["bundled:hydra", "--out", str(r / "o4")], "kind must be one of .*'eagle'"),
 ])
 def test_cli_export_heads_errors_are_one_line(saved_head, capsys, args, words):
     from hf_kvspec.cli import main
