@@ -54,6 +54,9 @@ class Arguments:
     request_max_new_tokens: int = 40
     answer_max_new_tokens: int = 128
     batch_size: int = 16
+    tasks: list[str] | None = field(default=None, metadata={
+        "help": "seed tasks of the self-instruct requests (default: all), e.g. explanation comparison definition "
+                "for long explanatory answers"})
     max_items: int | None = field(default=None, metadata={"help": "stop after about this many new generations"})
     num_threads: int | None = None
     device: str | None = field(default=None, metadata={"help": "default: cuda when available, else cpu"})
@@ -73,7 +76,8 @@ def settings_from(args: Arguments) -> RecipeSettings:
                           sampled_answers=args.sampled_answers, request_temperature=args.request_temperature,
                           answer_temperature=args.answer_temperature,
                           request_max_new_tokens=args.request_max_new_tokens,
-                          answer_max_new_tokens=args.answer_max_new_tokens, batch_size=args.batch_size)
+                          answer_max_new_tokens=args.answer_max_new_tokens, batch_size=args.batch_size,
+                          tasks=tuple(args.tasks) if args.tasks else None)
 
 
 def parse_arguments(argv: list[str] | None) -> Arguments:
@@ -106,6 +110,13 @@ def argument_problems(args: Arguments) -> list[str]:
     unknown = [c for c in args.corpora if c not in CORPORA]
     if args.num_reading and (unknown or not args.corpora):
         problems.append(f"--corpora {unknown or args.corpora}: known corpora are {', '.join(CORPORA)}")
+    if args.tasks is not None:
+        from hf_kvspec.heads.self_instruct import check_tasks
+
+        try:
+            check_tasks(args.tasks)
+        except ValueError as err:
+            problems.append(f"--{err}")
     if not Path(args.held_out).is_file():
         problems.append(f"--held_out {args.held_out}: no such file (the prompts training must not see)")
     if args.sample and not args.sample_output:

@@ -82,6 +82,7 @@ class RecipeSettings:
     request_max_new_tokens: int = 40
     answer_max_new_tokens: int = 128
     batch_size: int = 16
+    tasks: tuple[str, ...] | None = None  # seed tasks to draw from (names of TASKS); None: all of them
 
 
 @dataclass
@@ -186,9 +187,20 @@ class _Filter:
 
 
 def seed_specs(settings: RecipeSettings) -> list[tuple[str, str]]:
-    """(genre, task) per self-instruct candidate, drawn with ``random.Random(seed)``."""
+    """(genre, task) per self-instruct candidate, drawn with ``random.Random(seed)`` from ``settings.tasks`` (all
+    tasks when None: e.g. ``("explanation", "comparison", "definition")`` steers the requests to long answers)."""
+    tasks = sorted(TASKS) if settings.tasks is None else sorted(check_tasks(settings.tasks))
     rng = random.Random(settings.seed)
-    return [(rng.choice(GENRES), rng.choice(sorted(TASKS))) for _ in range(settings.num_requests)]
+    return [(rng.choice(GENRES), rng.choice(tasks)) for _ in range(settings.num_requests)]
+
+
+def check_tasks(tasks) -> tuple[str, ...]:
+    """``tasks`` if they are distinct names of ``TASKS``; else a ValueError naming the known ones."""
+    unknown = [t for t in tasks if t not in TASKS]
+    if unknown or not tasks or len(set(tasks)) != len(tasks):
+        raise ValueError(f"tasks {list(tasks)}: give one or more distinct seed tasks out of {', '.join(sorted(TASKS))}"
+                         f"{f' ({unknown} unknown)' if unknown else ''}.")
+    return tuple(tasks)
 
 
 def request_prompts(specs: list[tuple[str, str]], seed: int) -> list[str]:

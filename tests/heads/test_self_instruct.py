@@ -79,6 +79,19 @@ def test_generation_is_deterministic_for_a_fixed_seed(target, tmp_path):
     assert other.rows != first.rows
 
 
+def test_seed_tasks_steer_the_requests_and_the_default_draws_from_all():
+    import random
+
+    everything = replace(SETTINGS, num_requests=200)
+    rng = random.Random(everything.seed)  # the default draw, written out independently
+    expected = [(rng.choice(self_instruct.GENRES), rng.choice(sorted(self_instruct.TASKS))) for _ in range(200)]
+    assert self_instruct.seed_specs(everything) == expected
+    steered = self_instruct.seed_specs(replace(everything, tasks=("explanation", "definition")))
+    assert {task for _, task in steered} == {"explanation", "definition"}
+    with pytest.raises(ValueError, match="sonnet"):
+        self_instruct.seed_specs(replace(everything, tasks=("sonnet",)))
+
+
 def test_resume_after_interruption_equals_an_uninterrupted_run(target, tmp_path):
     whole = _build(target, tmp_path / "whole.jsonl")
     cache, runs = tmp_path / "parts.jsonl", 0

@@ -86,6 +86,8 @@ DISTILL_CASES = [
     (["--corpora", "nope"], "--corpora ['nope']: known corpora are"),
     (["--held_out", "/nonexistent.jsonl"], "--held_out /nonexistent.jsonl: no such file"),
     (["--sample", "5"], "--sample 5 needs --sample_output FILE"),
+    (["--tasks", "explanation", "sonnet"], "--tasks ['explanation', 'sonnet']: give one or more distinct seed tasks"),
+    (["--tasks", "poem", "poem"], "distinct seed tasks out of advice, code"),
 ]
 
 
