@@ -49,11 +49,26 @@ def init_draft_vocab(head, token_ids: torch.Tensor) -> None:
 
 class HeadVocabulary(TrainingVocabulary):
     """Training vocabulary = the head's draft vocabulary; ``logits`` project onto the head's own ``lm_head``
-    (the ``weight`` the loss passes, the borrowed base head, is not used)."""
+    (the ``weight`` the loss passes, the borrowed base head, is not used).
+
+    The ids follow the head: loading a state into it (``accelerator.load_state`` on resume) replaces ``lm_head``
+    and ``d2t`` together, and the label columns are taken from the ``d2t`` the head holds at each use, never from
+    the one it held when this object was made."""
 
     def __init__(self, head):
-        super().__init__(head.config.base_vocab_size, head.draft_vocab_ids().cpu())
         self.head = head
+        self._synced: torch.Tensor | None = None
+        self._sync()
+
+    def _sync(self) -> None:
+        ids = self.head.draft_vocab_ids().cpu()
+        if self._synced is None or not torch.equal(ids, self._synced):
+            super().__init__(self.head.config.base_vocab_size, ids)
+            self._synced = ids
+
+    def columns(self, labels: torch.Tensor) -> torch.Tensor:
+        self._sync()
+        return super().columns(labels)
 
     def logits(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         # hidden [..., H] -> [..., N]; columns are draft ids (ascending target ids, as self.columns maps)

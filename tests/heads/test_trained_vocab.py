@@ -63,3 +63,29 @@ def test_held_out_drafts_are_target_ids(tmp_path):
         features, _ = target_features(base, ids, torch.ones_like(ids, dtype=torch.bool), head.config.feature_layers)
         drafts = draft_tokens(head, features, ids, depth=2)
     assert set(drafts.flatten().tolist()) <= {40, 41, 42, 43, 44, 45}
+
+
+def test_head_vocabulary_follows_a_state_loaded_into_the_head():
+    """Resuming loads lm_head and d2t into the head after the loss was built (``accelerator.load_state``): the label
+    columns must be those of the loaded vocabulary, not of the one the head held first (which, when the training data
+    changed between sessions, is another set of ids: the loss exploded to a fresh head's after such a resume)."""
+    from hf_kvspec.heads.configuration import EagleConfig
+    from hf_kvspec.heads.trained_vocab import HeadVocabulary, init_draft_vocab
+    from tests.tiny_models import tiny_model
+
+    base = tiny_model("llama", seed=0)
+    heads = []
+    for seed, ids in ((0, torch.arange(20)), (1, torch.arange(40, 60))):
+        torch.manual_seed(seed)
+        head = EagleHead(EagleConfig.for_base_model(base, "tiny", feature_layers=[0, 1, 2], architecture="eagle3",
+                                                    draft_vocab_size=20)).attach(base)
+        init_draft_vocab(head, ids)
+        heads.append(head)
+    first, saved = heads
+    vocab = HeadVocabulary(first)
+    first.load_state_dict(saved.state_dict())
+    labels = torch.tensor([[45, 40, 59, 3]])
+    assert vocab.columns(labels).tolist() == [[5, 0, 19, -1]]  # 3 is no longer in the draft vocabulary
+    hidden = torch.randn(2, base.config.hidden_size)
+    assert torch.equal(vocab.logits(hidden, None), hidden @ saved.lm_head.weight.T)
+    assert vocab.vocab_ids.tolist() == list(range(40, 60))
