@@ -7,6 +7,9 @@ Run (the bundled model, one CPU thread; generation is cached, so an interrupted 
         --output runs/drafter_data/distill_chats.jsonl --num_threads 1
 
     python scripts/make_distill_data.py --base_model bundled --max_items 64 ...   # stop after ~64 new items
+    python scripts/make_distill_data.py --num_requests 0 --num_reading 0 --no_sampled_answers \
+        --prompts scripts/train_configs/chat_prompts_train_large.jsonl --prompts_start 0 --num_prompts 2000 ...
+                                    # answer 2,000 rows of a prompts file (the next run: --prompts_start 2000)
     python scripts/make_distill_data.py --base_model bundled --sample 50 --sample_output \
         scripts/train_configs/distill_chats_sample.jsonl ...                      # also keep a small sample
 
@@ -57,6 +60,11 @@ class Arguments:
     tasks: list[str] | None = field(default=None, metadata={
         "help": "seed tasks of the self-instruct requests (default: all), e.g. explanation comparison definition "
                 "for long explanatory answers"})
+    prompts: str | None = field(default=None, metadata={
+        "help": "also answer the rows of this prompts file (JSONL 'prompt' column, or one per line)"})
+    prompts_start: int = field(default=0, metadata={
+        "help": "answer the file's rows [start, start + num_prompts) in an order shuffled by --seed"})
+    num_prompts: int | None = field(default=None, metadata={"help": "default: every row from --prompts_start on"})
     max_items: int | None = field(default=None, metadata={"help": "stop after about this many new generations"})
     num_threads: int | None = None
     device: str | None = field(default=None, metadata={"help": "default: cuda when available, else cpu"})
@@ -77,7 +85,9 @@ def settings_from(args: Arguments) -> RecipeSettings:
                           answer_temperature=args.answer_temperature,
                           request_max_new_tokens=args.request_max_new_tokens,
                           answer_max_new_tokens=args.answer_max_new_tokens, batch_size=args.batch_size,
-                          tasks=tuple(args.tasks) if args.tasks else None)
+                          tasks=tuple(args.tasks) if args.tasks else None,
+                          prompts=_portable(args.prompts) if args.prompts else None,
+                          prompts_start=args.prompts_start, num_prompts=args.num_prompts)
 
 
 def parse_arguments(argv: list[str] | None) -> Arguments:
@@ -95,13 +105,16 @@ def argument_problems(args: Arguments) -> list[str]:
     from hf_kvspec.heads.reading_tasks import CORPORA
 
     problems = [f"--{flag} {value}: needs an int >= 1" for flag, value in (
-        ("num_requests", args.num_requests), ("batch_size", args.batch_size),
+        ("batch_size", args.batch_size),
         ("request_max_new_tokens", args.request_max_new_tokens), ("answer_max_new_tokens", args.answer_max_new_tokens))
         if value < 1]
     problems += [f"--{flag} {value}: needs an int >= 1, or leave it unset" for flag, value in (
-        ("max_items", args.max_items), ("num_threads", args.num_threads)) if value is not None and value < 1]
+        ("max_items", args.max_items), ("num_threads", args.num_threads), ("num_prompts", args.num_prompts))
+        if value is not None and value < 1]
     problems += [f"--{flag} {value}: needs an int >= 0" for flag, value in (
-        ("num_reading", args.num_reading), ("sample", args.sample)) if value < 0]
+        ("num_requests", args.num_requests), ("num_reading", args.num_reading), ("sample", args.sample),
+        ("prompts_start", args.prompts_start)) if value < 0]
+    problems += prompts_problems(args)
     if not 0 <= args.follow_up_fraction <= 1:
         problems.append(f"--follow_up_fraction {args.follow_up_fraction}: needs a share in 0..1 of the kept requests")
     problems += [f"--{flag} {value}: needs a number > 0 (sampling temperature)" for flag, value in (
@@ -122,6 +135,29 @@ def argument_problems(args: Arguments) -> list[str]:
     if args.sample and not args.sample_output:
         problems.append(f"--sample {args.sample} needs --sample_output FILE (or drop --sample)")
     return problems
+
+
+def prompts_problems(args: Arguments) -> list[str]:
+    """The prompts file and its slice, and that some source is asked for at all."""
+    if args.prompts is None:
+        if args.num_requests == 0 and args.num_reading == 0:
+            return ["--num_requests 0 and --num_reading 0 leave nothing to answer: ask for requests, reading tasks "
+                    "or --prompts FILE"]
+        if args.num_prompts is not None or args.prompts_start:
+            return ["--num_prompts / --prompts_start slice a prompts file: pass --prompts FILE as well"]
+        return []
+    if not Path(args.prompts).is_file():
+        return [f"--prompts {args.prompts}: no such file"]
+    from hf_kvspec.heads.data import read_prompts
+
+    try:
+        rows = len(read_prompts(args.prompts))
+    except (KeyError, ValueError) as err:
+        return [f"--prompts {args.prompts}: unreadable ({err!r}); give JSONL rows with a 'prompt' key, or a text "
+                "file with one prompt per line"]
+    if args.prompts_start >= rows:
+        return [f"--prompts_start {args.prompts_start}: {args.prompts} has {rows} rows; start below that"]
+    return []
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -146,7 +182,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.sample and args.sample_output:
         rows = random.Random(args.seed).sample(data.rows, min(args.sample, len(data.rows)))
         Path(args.sample_output).write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
-    print(json.dumps({k: data.recipe[k] for k in ("self_instruct", "reading", "follow_ups", "rows")}, indent=1))
+    print(json.dumps({k: data.recipe[k] for k in ("self_instruct", "reading", "prompts", "follow_ups", "rows")
+                      if k in data.recipe}, indent=1))
     print(f"{len(data.rows)} chats -> {args.output} ({seconds} s)")
     return 0
 

@@ -326,10 +326,11 @@ def chat_source(d: DataArguments, spec: str, dataset, tokenizer, held_out) -> tu
 
 def chat_kind(recipe: dict | None) -> str:
     """The card's label of a chats file, from the row names of its recipe (``make_distill_data.py``, packed or not):
-    ``"chat, self-distilled (self-instruct + reading tasks)"``; ``"chat"`` without a recipe."""
+    ``"chat, self-distilled (self-instruct + reading tasks)"``, ``"... (a prompts file)"``; ``"chat"`` without one."""
     if recipe is None:
         return "chat"
-    parts = dict.fromkeys("reading tasks" if name.startswith("reading") else "self-instruct"
+    parts = dict.fromkeys("reading tasks" if name.startswith("reading") else
+                          "a prompts file" if name.startswith("prompts:") else "self-instruct"
                           for name in recipe.get("rows", {}))
     return f"chat, self-distilled ({' + '.join(parts)})" if parts else "chat, self-distilled"
 

@@ -217,3 +217,5 @@ def test_chat_kind_names_what_the_recipe_generated():
     packed = {"rows": {"self-instruct / greedy": 970, "self-instruct / sampled t=0.7": 970}}
     assert train_drafter.chat_kind(packed) == "chat, self-distilled (self-instruct)"
     assert train_drafter.chat_kind(None) == "chat"
+    answered = {"rows": {"prompts:chat_prompts_train_large.jsonl / greedy": 2000}}
+    assert train_drafter.chat_kind(answered) == "chat, self-distilled (a prompts file)"

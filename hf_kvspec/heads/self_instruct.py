@@ -1,5 +1,7 @@
 """Diverse self-distilled chat data: the target writes the user requests (self-instruct), reads corpus passages, and
-answers both greedily and by sampling; some chats get a follow-up turn that the target also writes.
+answers both greedily and by sampling; some chats get a follow-up turn that the target also writes. A prompts file
+(one request per row, e.g. the templated ``chat_prompts_train_large.jsonl``) can be answered beside them, a seeded
+slice of it at a time, so that a large file is answered over several runs into disjoint chat files.
 
 Boundary: a target model, its tokenizer, a ``HeldOut`` set and ``RecipeSettings`` in; chat rows
 (``{"messages": [...], "source", "answer"}``) and a recipe summary (counts, duplicate rate, settings) out. Generation
@@ -83,6 +85,9 @@ class RecipeSettings:
     answer_max_new_tokens: int = 128
     batch_size: int = 16
     tasks: tuple[str, ...] | None = None  # seed tasks to draw from (names of TASKS); None: all of them
+    prompts: str | None = None          # a prompts file (JSONL "prompt" column, or one per line) answered as well
+    prompts_start: int = 0              # the slice [start, start + num_prompts) of its rows shuffled by seed
+    num_prompts: int | None = None      # None: every row from prompts_start on
 
 
 @dataclass
@@ -232,7 +237,9 @@ def build_distill_data(model, tokenizer, cache_file: str | Path, fingerprint: st
     kept, recipe["self_instruct"] = sieve.keep([clean_request(t) for t in drafts])
     requests = [clean_request(drafts[i]) for i in kept]
     tasks = _reading(settings, sieve, recipe)
-    prompts = [(r, "self-instruct") for r in requests] + [(t.prompt, f"reading:{t.corpus}") for t in tasks]
+    listed = _listed(settings, sieve, recipe)
+    prompts = ([(r, "self-instruct") for r in requests] + [(t.prompt, f"reading:{t.corpus}") for t in tasks]
+               + [(p, f"prompts:{Path(settings.prompts).name}") for p in listed])
     rows, greedy = _answer(gen, settings, prompts)
     if rows is None:
         return _incomplete(recipe)
@@ -279,6 +286,29 @@ def _reading(settings: RecipeSettings, sieve: _Filter, recipe: dict) -> list:
     recipe["reading"]["kept"] = len(chosen)
     recipe["reading"]["per_corpus"] = {c: sum(t.corpus == c for t in chosen) for c in settings.corpora if tasks}
     return chosen
+
+
+def prompt_slice(settings: RecipeSettings) -> list[str]:
+    """The rows of ``settings.prompts`` that this recipe answers: the file's rows in an order shuffled by
+    ``random.Random(seed)``, then ``[prompts_start, prompts_start + num_prompts)``. Slices of one seed are disjoint,
+    so a large file can be answered over several runs; [] without a prompts file."""
+    if settings.prompts is None:
+        return []
+    from hf_kvspec.heads.data import read_prompts
+
+    rows = read_prompts(settings.prompts)
+    random.Random(settings.seed).shuffle(rows)
+    stop = None if settings.num_prompts is None else settings.prompts_start + settings.num_prompts
+    return rows[settings.prompts_start:stop]
+
+
+def _listed(settings: RecipeSettings, sieve: _Filter, recipe: dict) -> list[str]:
+    """The prompts-file slice after deduplication and the held-out filter (counted in ``recipe["prompts"]``)."""
+    rows = prompt_slice(settings)
+    kept, counts = sieve.keep(rows)
+    if settings.prompts is not None:
+        recipe["prompts"] = {"file": Path(settings.prompts).name, **counts}
+    return [rows[i] for i in kept]
 
 
 def _answer(gen: _Generator, settings: RecipeSettings, prompts: list[tuple[str, str]]):

@@ -8,6 +8,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
 
 from hf_kvspec.heads import self_instruct
 from hf_kvspec.heads.data import HeldOut, HeldOutLeakError, message_example, read_prompts
@@ -90,6 +91,49 @@ def test_seed_tasks_steer_the_requests_and_the_default_draws_from_all():
     assert {task for _, task in steered} == {"explanation", "definition"}
     with pytest.raises(ValueError, match="sonnet"):
         self_instruct.seed_specs(replace(everything, tasks=("sonnet",)))
+
+
+def test_prompt_slices_of_one_seed_are_disjoint_and_cover_the_file(tmp_path):
+    import random
+
+    path = tmp_path / "prompts.jsonl"
+    rows = [f"Tell me something about item number {i}." for i in range(23)]
+    path.write_text("".join(json.dumps({"prompt": r}) + "\n" for r in rows))
+    settings = replace(SETTINGS, prompts=str(path), num_prompts=10)
+    slices = [self_instruct.prompt_slice(replace(settings, prompts_start=start)) for start in (0, 10, 20)]
+    assert [len(s) for s in slices] == [10, 10, 3]
+    shuffled = list(rows)
+    random.Random(settings.seed).shuffle(shuffled)  # the order, written out independently
+    assert [row for part in slices for row in part] == shuffled
+    assert self_instruct.prompt_slice(replace(settings, num_prompts=None, prompts_start=20)) == slices[2]
+    assert self_instruct.prompt_slice(replace(settings, seed=4))[:10] != slices[0]
+    assert self_instruct.prompt_slice(SETTINGS) == []
+
+
+def test_prompts_file_rows_get_the_targets_greedy_answers(target, tmp_path):
+    """Only a prompts file: each kept row is answered as ``generate`` answers it alone; a held-out leak and a
+    duplicate are dropped and counted."""
+    model, tokenizer = target
+    path = tmp_path / "prompts.jsonl"
+    rows = ["How do I bake bread?", "Explain volcanoes to a high-school student.", "How do I bake bread?",
+            "Name three birds that migrate."]
+    path.write_text("".join(json.dumps({"prompt": r}) + "\n" for r in rows))
+    settings = replace(SETTINGS, num_requests=0, num_reading=0, sampled_answers=False, prompts=str(path),
+                       batch_size=1)
+    data = _build(target, tmp_path / "cache.jsonl", settings)
+    assert data.complete and {row["source"] for row in data.rows} == {"prompts:prompts.jsonl"}
+    counts = data.recipe["prompts"]
+    assert (counts["kept"], counts["held_out_leaks"], counts["duplicates"]) == (2, 1, 1)
+    assert data.recipe["rows"] == {"prompts:prompts.jsonl / greedy": 2}
+    for row in data.rows:
+        user, answer = row["messages"][0]["content"], row["messages"][1]["content"]
+        ids = torch.tensor([chat_ids(tokenizer, [{"role": "user", "content": user}])])
+        out = model.generate(ids, max_new_tokens=settings.answer_max_new_tokens, do_sample=False,
+                             pad_token_id=tokenizer.eos_token_id)[0, ids.shape[1]:].tolist()
+        eos = tokenizer.eos_token_id
+        out = out[:out.index(eos) + 1] if eos in out else out
+        assert answer == tokenizer.decode(out, skip_special_tokens=True).strip()
+    assert {row["messages"][0]["content"] for row in data.rows} == {rows[0], rows[3]}
 
 
 def test_resume_after_interruption_equals_an_uninterrupted_run(target, tmp_path):

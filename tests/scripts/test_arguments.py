@@ -77,8 +77,15 @@ def test_train_drafter_accepts_good_arguments(scripts, base):
 
 
 DISTILL_CASES = [
-    (["--num_requests", "0"], "--num_requests 0: needs an int >= 1"),
-    (["--num_requests", "-1"], "--num_requests -1: needs an int >= 1"),
+    (["--num_requests", "0", "--num_reading", "0"], "leave nothing to answer: ask for requests, reading tasks or "
+                                                    "--prompts FILE"),
+    (["--num_requests", "-1"], "--num_requests -1: needs an int >= 0"),
+    (["--prompts", "/nonexistent.jsonl"], "--prompts /nonexistent.jsonl: no such file"),
+    (["--prompts", str(SCRIPTS / "train_configs" / "chat_prompts_train.jsonl"), "--prompts_start", "240"],
+     "has 240 rows; start below that"),
+    (["--prompts_start", "-1"], "--prompts_start -1: needs an int >= 0"),
+    (["--num_prompts", "0"], "--num_prompts 0: needs an int >= 1, or leave it unset"),
+    (["--num_prompts", "5"], "slice a prompts file: pass --prompts FILE as well"),
     (["--num_reading", "-2"], "--num_reading -2: needs an int >= 0"),
     (["--follow_up_fraction", "2.0"], "--follow_up_fraction 2.0: needs a share in 0..1"),
     (["--batch_size", "0"], "--batch_size 0: needs an int >= 1"),
