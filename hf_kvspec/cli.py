@@ -357,6 +357,7 @@ def _add_export_heads(subparsers) -> None:
 
 
 def _run_export_heads(args) -> None:
+    from hf_kvspec.heads.bundled import head_path
     from hf_kvspec.heads.export import export_head
 
     spec = _export_base_spec(args)  # every path checked before a model is loaded
@@ -365,20 +366,9 @@ def _run_export_heads(args) -> None:
     except OSError as err:
         raise ValueError(f"--base_model {spec!r} could not be loaded ({err}); pass a local model directory, a Hub "
                          "id, or bundled:NAME.") from None
-    out = export_head(_head_dir(args.head_dir), args.format, args.out, base_model=base,
+    out = export_head(head_path(args.head_dir), args.format, args.out, base_model=base,
                       speculative_tokens=args.speculative_tokens)
     print(f"wrote {args.format} layout to {out}")
-
-
-def _head_dir(spec: str):
-    """``export-heads``' head: a directory, or ``bundled:KIND`` (the committed head of that kind)."""
-    from pathlib import Path
-
-    if spec.startswith("bundled:"):
-        from hf_kvspec.heads.bundled import bundled_heads_path
-
-        return bundled_heads_path(spec.partition(":")[2])  # an unknown kind is refused, naming the known ones
-    return Path(spec)
 
 
 def _export_base_spec(args) -> str:
@@ -386,7 +376,9 @@ def _export_base_spec(args) -> str:
     import json
     from pathlib import Path
 
-    head, out = _head_dir(args.head_dir), Path(args.out)
+    from hf_kvspec.heads.bundled import head_path
+
+    head, out = head_path(args.head_dir), Path(args.out)
     if not head.is_dir():
         raise ValueError(f"head directory {str(head)!r} is not a directory; pass the directory "
                          "scripts/train_drafter.py saved.")

@@ -29,6 +29,14 @@ def bundled_heads_path(kind: str, base: str = DEFAULT_MODEL) -> Path:
     return path
 
 
+def head_path(spec: str) -> Path:
+    """``bundled:KIND`` as the committed head's directory (an unknown kind is refused, naming the known ones); any
+    other spec as a path, unchecked (callers word their own errors for it)."""
+    if spec.startswith("bundled:"):
+        return bundled_heads_path(spec.partition(":")[2])
+    return Path(spec)
+
+
 def load_bundled_heads(kind: str = "medusa", base_model=None, dtype: torch.dtype = torch.float32,
                        base: str = DEFAULT_MODEL):
     """Load the committed ``"medusa"``, ``"eagle"`` or ``"early_exit"`` head for the bundled model, in eval mode.

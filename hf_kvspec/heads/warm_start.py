@@ -53,11 +53,11 @@ class WarmStart:
 
 def resolve_source(source: str) -> Path:
     """``bundled:KIND`` (``medusa``, ``eagle``, ``early_exit``) or a directory holding ``config.json``."""
-    if source.startswith("bundled:"):
-        from hf_kvspec.heads.bundled import bundled_heads_path
+    from hf_kvspec.heads.bundled import head_path
 
-        return bundled_heads_path(source.split(":", 1)[1])
-    path = Path(source)
+    path = head_path(source)
+    if source.startswith("bundled:"):
+        return path
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"--init_from {source!r}: no config.json there. Pass a directory written by "
                                 "save_pretrained (e.g. a train_drafter.py --output_dir) or bundled:medusa|eagle|"

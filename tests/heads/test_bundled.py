@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from hf_kvspec import load_bundled_heads
-from hf_kvspec.heads.bundled import bundled_heads_path
+from hf_kvspec.heads.bundled import bundled_heads_path, head_path
 from hf_kvspec.heads.data import read_prompts
 from hf_kvspec.heads.pairing import BaseModelMismatchError, base_model_fingerprint
 from tests.tiny_models import tiny_model
@@ -87,6 +87,21 @@ def test_unknown_bundled_head_kind_names_the_kinds():
 
     with pytest.raises(ValueError, match=r"kind must be one of .*'hydra'"):
         load_bundled_heads("hydra")
+
+
+def test_head_path_reads_bundled_specs_and_leaves_paths_alone(tmp_path):
+    """One reading of ``bundled:KIND`` for ``export-heads`` and ``--init_from``."""
+    from pathlib import Path
+
+    from hf_kvspec.heads.warm_start import resolve_source
+
+    assert head_path("bundled:eagle") == bundled_heads_path("eagle") == resolve_source("bundled:eagle")
+    assert head_path(str(tmp_path / "mine")) == tmp_path / "mine"
+    assert head_path("bundled") == Path("bundled")  # no kind given: a plain relative path
+    with pytest.raises(ValueError, match="medusa"):
+        head_path("bundled:nope")
+    with pytest.raises(FileNotFoundError, match=r"no config\.json"):
+        resolve_source(str(tmp_path))
 
 
 def test_export_heads_takes_a_bundled_head_by_kind(tmp_path, capsys):
