@@ -63,7 +63,13 @@ def test_early_exit_with_a_draft_vocabulary_stays_greedy_identical(bs):
         EarlyExitAssistant(1, draft_vocab_size=20)
 
 
-def test_auto_falls_back_to_plain_with_a_drafter_that_is_never_right_and_says_so():
+def test_auto_falls_back_to_plain_with_a_drafter_that_is_never_right_and_says_so(monkeypatch):
+    from types import SimpleNamespace
+
+    from hf_kvspec.speculative import loop
+
+    ticks = iter(range(10**6))  # the loop's clock: one second per reading, so draft and verify each cost one step
+    monkeypatch.setattr(loop, "time", SimpleNamespace(perf_counter=lambda: float(next(ticks))))
     target = tiny_model("llama", seed=0)
     ids, mask = batch(1)
     kwargs = dict(attention_mask=mask, do_sample=False, max_new_tokens=40, pad_token_id=0)
