@@ -199,6 +199,23 @@ def test_written_recipe_renders_in_the_model_card(target, tmp_path):
     assert "| self-instruct follow-up / greedy |" in card
 
 
+def test_a_prompts_file_recipe_renders_without_claiming_other_sources(target, tmp_path):
+    from hf_kvspec import hub
+    from hf_kvspec.heads.configuration import MedusaConfig
+
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"Name {n} birds that migrate."}) + "\n" for n in range(5)))
+    settings = replace(SETTINGS, num_requests=0, num_reading=0, follow_up_fraction=0, sampled_answers=False,
+                       prompts=str(path), prompts_start=1, num_prompts=3)
+    data = _build(target, tmp_path / "cache.jsonl", settings)
+    summary = {"args": {}, "data": [{"source": "x", "kind": "chat", "sequences": 3, "tokens": 1,
+                                     "recipe": data.recipe}]}
+    card = hub.render_model_card(MedusaConfig.for_base_model(target[0], "tiny"), hub.CardFields.from_summary(summary))
+    assert "3 rows of the prompts file `prompts.jsonl` (the rows\n[1, 4) of its order" in card
+    assert "self-instruct" not in card and "reading tasks" not in card and "follow-up" not in card
+    assert "answers greedy, at most 5 tokens; seed 3." in card
+
+
 def test_train_drafter_reads_chats_and_refuses_leaks(target, tmp_path):
     import sys
 
