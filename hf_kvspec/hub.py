@@ -86,6 +86,9 @@ class CardFields:
             paragraph += (f" The run was stopped by its `--max_train_seconds {args.get('max_train_seconds')}` cap "
                           f"after {stopped} of the {args.get('max_steps')} steps (the learning rate had not finished "
                           f"its decay).")
+        if summary.get("cpu_seconds"):
+            paragraph += (f" Training cost: {summary['cpu_seconds'] / 3600:.1f} CPU-hours (wall seconds x torch "
+                          f"threads, summed over the run's sessions).")
         if args.get("mixed_precision") not in (None, "no"):
             paragraph += f" Mixed precision: {args['mixed_precision']}."
         if args.get("loss_on"):

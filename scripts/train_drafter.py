@@ -449,18 +449,30 @@ class RunRecord:
     last_metrics: dict = field(default_factory=dict)
     stopped_at_step: int | None = None  # set when --max_train_seconds cut the run short
     initialised_from: dict | None = None  # the run's first --init_from (kept when a later session continues it)
+    cpu_threads: int | None = None  # torch threads of this process when it trains on the CPU; None on an accelerator
+    cpu_seconds_before: float | None = 0.0  # CPU-thread seconds of earlier sessions (None: one was not on a CPU)
 
     @property
     def train_seconds(self) -> float:
         return round(self.seconds_before + time.time() - self.started, 3)  # ms: a tiny run still counts
 
+    @property
+    def cpu_seconds(self) -> float | None:
+        """Wall seconds x torch threads, summed over the sessions of the run: the card's CPU-hours. None once any
+        session trained on an accelerator or did not record it."""
+        if self.cpu_threads is None or self.cpu_seconds_before is None:
+            return None
+        return round(self.cpu_seconds_before + (time.time() - self.started) * self.cpu_threads, 3)
+
     def state(self, step: int) -> dict:
         return {"completed_steps": step, "commands": self.commands, "train_seconds": self.train_seconds,
-                "last_metrics": self.last_metrics, "initialised_from": self.initialised_from}
+                "cpu_seconds": self.cpu_seconds, "last_metrics": self.last_metrics,
+                "initialised_from": self.initialised_from}
 
     def resume(self, state: dict) -> int:
         self.commands = state.get("commands", []) + self.commands
         self.seconds_before = state.get("train_seconds", 0.0)
+        self.cpu_seconds_before = state.get("cpu_seconds", 0.0 if not state.get("train_seconds") else None)
         self.last_metrics = state.get("last_metrics", {})
         self.initialised_from = state.get("initialised_from", self.initialised_from)
         return state["completed_steps"]
@@ -665,7 +677,8 @@ def main(argv: list[str] | None = None) -> None:
         accelerator.print(f"data ready: {json.dumps(recipe)}")
         return
     head = build_head(m, target, recorded_name)
-    record = RunRecord(commands=["accelerate launch scripts/train_drafter.py " + shlex.join(argv)])
+    record = RunRecord(commands=["accelerate launch scripts/train_drafter.py " + shlex.join(argv)],
+                       cpu_threads=torch.get_num_threads() if accelerator.device.type == "cpu" else None)
     start_step, source = 0, t.resume_weights_from or m.init_from
     if t.resume_weights_from:  # the committed head's step and run record; its weights are the warm start below
         start_step = record.resume(json.loads((Path(source) / "trainer_state.json").read_text()))
@@ -691,7 +704,8 @@ def main(argv: list[str] | None = None) -> None:
                    "data": recipe, "initialised_from": record.initialised_from,
                    "training_vocab_size": len(vocab.vocab_ids) if vocab.vocab_ids is not None else
                    target.config.vocab_size, "final_train_metrics": record.last_metrics,
-                   "train_seconds": record.train_seconds, "stopped_at_step": record.stopped_at_step,
+                   "train_seconds": record.train_seconds, "cpu_seconds": record.cpu_seconds,
+                   "stopped_at_step": record.stopped_at_step,
                    "trainable_parameters":
                    sum(p.numel() for p in head.parameters())}
         finish(m, d, t, accelerator, objective, target, tokenizer, summary, cache_root)

@@ -201,10 +201,37 @@ def test_resume_weights_from_a_committed_head_continues_step_schedule_and_record
     summary = json.loads((tmp_path / "c" / "training_summary.json").read_text())
     assert summary["train_seconds"] > state["train_seconds"] and len(summary["command"].splitlines()) == 2
     assert summary["initialised_from"] is None  # the first run started fresh; the resumed one is not a fine-tune
+    assert summary["cpu_seconds"] > state["cpu_seconds"] > 0  # one thread: CPU seconds track the wall clock
+    assert summary["cpu_seconds"] == pytest.approx(summary["train_seconds"], abs=1.0)
 
     train_drafter.main([*common, "--evaluate_only", str(folder)])
     measured = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert measured["step"] == 3 and measured["prompts"] == 2 and 1.0 <= measured["tau"] <= 5.0
+
+
+def test_run_record_sums_cpu_seconds_over_sessions_and_drops_them_when_unknown():
+    """CPU-hours on the card: wall seconds x threads per session, summed; unknown (None) once a session ran on an
+    accelerator or an earlier state did not record them, rather than a guess."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    import time
+
+    import train_drafter
+
+    def session(threads, earlier=None, seconds=10.0):
+        record = train_drafter.RunRecord(commands=[], cpu_threads=threads)
+        if earlier is not None:
+            record.resume({"completed_steps": 5, **earlier})
+        record.started = time.time() - seconds
+        return record
+
+    assert session(2).cpu_seconds == pytest.approx(20.0, abs=0.1)
+    resumed = session(2, {"train_seconds": 100.0, "cpu_seconds": 150.0})  # e.g. 50 s at 1 thread + 50 s at 2
+    assert (resumed.train_seconds, resumed.cpu_seconds) == (pytest.approx(110.0, abs=0.1), pytest.approx(170.0, abs=0.1))
+    assert session(2, {"train_seconds": 100.0}).cpu_seconds is None           # an older state: unknown, not guessed
+    assert session(None).cpu_seconds is None                                  # this session on an accelerator
+    assert session(2, {"train_seconds": 100.0, "cpu_seconds": None}).cpu_seconds is None  # an earlier one was
+    assert session(1, {"train_seconds": 0.0}).cpu_seconds == pytest.approx(10.0, abs=0.1)
+    assert resumed.state(6)["cpu_seconds"] == pytest.approx(170.0, abs=0.1)
 
 
 def test_chat_kind_names_what_the_recipe_generated():

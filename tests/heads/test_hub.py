@@ -58,6 +58,23 @@ def test_card_training_paragraph_reports_a_time_capped_run(base):
     assert "3000 optimizer steps" in finished and "stopped by" not in finished
 
 
+def test_card_states_cpu_hours_and_the_export_command_its_layout_takes(base):
+    """The training cost in CPU-hours when the run recorded it; the serving section names the export each layout
+    takes: speculators and SGLang for an EAGLE-3 layer, vLLM's Medusa layout for Medusa, a refusal for EAGLE-1."""
+    summary = {"args": {"max_steps": 10}, "train_seconds": 3600.0, "cpu_seconds": 3 * 7200.0}
+    fields = hub.CardFields.from_summary(summary, repo_id="me/head")
+    eagle3 = hub.render_model_card(EagleConfig.for_base_model(base, "bundled:tiny", feature_layers=[0, 1, 2],
+                                                              architecture="eagle3"), fields)
+    assert "Training cost: 6.0 CPU-hours" in eagle3
+    assert "hf download me/head --local-dir head" in eagle3
+    assert "export-heads head --format speculators" in eagle3 and "export-heads head --format sglang" in eagle3
+    eagle1 = hub.render_model_card(EagleConfig.for_base_model(base, "bundled:tiny"),
+                                   hub.CardFields.from_summary({**summary, "cpu_seconds": None}))
+    assert "refuses it" in eagle1 and "--format" not in eagle1 and "CPU-hours" not in eagle1
+    medusa = hub.render_model_card(MedusaConfig.for_base_model(base, "bundled:tiny", num_heads=2), fields)
+    assert "export-heads head --format vllm-medusa" in medusa and "sglang" not in medusa
+
+
 def test_card_without_measurements_says_so(base):
     card = hub.render_model_card(EagleConfig.for_base_model(base, "bundled:tiny"))
     assert "Not measured" in card and "hf_kvspec_acceptance" not in _front_matter(card)
