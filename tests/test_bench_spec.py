@@ -134,6 +134,24 @@ def test_method_names_are_checked():
     with pytest.raises(SystemExit, match="unknown option"):
         spec_trees.make_assistant("eagle:chain:4@vocab", heads=None)
     assert spec_trees._options("m", ["vocab4096", "auto"]) == {"draft_vocab_size": 4096, "num_draft_tokens": "auto"}
+    with pytest.raises(SystemExit, match="one @head=NAME"):
+        spec_trees.head_option("eagle:defaults@head=a@head=b")
+
+
+def test_defaults_and_a_second_head_in_one_run():
+    """``eagle:defaults`` is the assistant a new user gets; ``@head=NAME`` picks a bundled head by name and is not
+    an assistant option."""
+    from hf_kvspec.heads.configuration import EagleConfig
+    from hf_kvspec.heads.modeling_eagle import EagleHead
+    from tests.tiny_models import tiny_model
+
+    model = tiny_model("llama", seed=0)
+    head = EagleHead(EagleConfig.for_base_model(model, "tiny")).attach(model).eval()
+    plain, named = spec_trees.make_assistant("eagle:defaults", head), spec_trees.make_assistant(
+        "eagle:defaults@head=eagle_v2@auto", head)
+    assert type(plain).__name__ == type(named).__name__ == "EagleAssistant"
+    assert spec_trees.head_option("eagle:defaults@head=eagle_v2@auto") == "eagle_v2"
+    assert spec_trees.head_option("eagle:chain:4@vocab64") is None
 
 
 def test_head_path_loads_a_trained_folder_in_place_of_the_bundled_head(tmp_path):

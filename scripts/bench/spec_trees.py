@@ -13,7 +13,10 @@ Methods (``--tree-methods``, comma list; ``plain`` is always run as the baseline
     eagle:chain:D                                    EagleAssistant(head, tree="chain", depth=D)
     eagle:static:small | eagle:static:default        EagleAssistant(head, tree=<that choice list>)
     eagle:dynamic:D:K:T                              EagleAssistant(head, depth=D, top_k=K, total_tokens=T)
+    medusa:defaults | eagle:defaults                 the assistant with its defaults (what a new user gets)
     any of these + @vocabN and/or @auto               draft_vocab_size=N (FR-Spec), num_draft_tokens="auto"
+    any of these + @head=NAME                         over the bundled head NAME (e.g. eagle_v2, an earlier head
+                                                     kept by name) instead of the run's head: two heads, one run
 
 Every repeat first times the target's forward over 1..64 new tokens on a warm cache of a prompt's length
 (``c_v(T)`` = time(T) / time(1)), then runs every method once on each prompt, the order rotated per repeat; medians
@@ -48,8 +51,10 @@ def make_assistant(method: str, heads):
     import hf_kvspec
 
     name, *options = method.split("@")
-    extra = _options(method, options)
+    extra = _options(method, [option for option in options if not option.startswith("head=")])
     kind, *spec = name.split(":")
+    if spec == ["defaults"] and kind in ("medusa", "eagle"):
+        return (hf_kvspec.MedusaAssistant if kind == "medusa" else hf_kvspec.EagleAssistant)(heads, **extra)
     if kind == "medusa" and len(spec) == 1:
         tree = _measured_choices(int(spec[0])) if spec[0].isdigit() else spec[0]
         return hf_kvspec.MedusaAssistant(heads, tree=tree, **extra)
@@ -62,6 +67,14 @@ def make_assistant(method: str, heads):
         depth, top_k, total = map(int, spec[1:])
         return hf_kvspec.EagleAssistant(heads, tree="dynamic", depth=depth, top_k=top_k, total_tokens=total, **extra)
     raise SystemExit(f"unknown method {method!r}; see `scripts/benchmark.py spec --help` and bench/spec_trees.py")
+
+
+def head_option(method: str) -> str | None:
+    """The bundled head a method names with ``@head=NAME`` (None: the run's head)."""
+    names = [option.removeprefix("head=") for option in method.split("@")[1:] if option.startswith("head=")]
+    if len(names) > 1 or names == [""]:
+        raise SystemExit(f"{method!r}: give one @head=NAME (a bundled head, e.g. eagle_v2)")
+    return names[0] if names else None
 
 
 def _options(method: str, options: list[str]) -> dict:
@@ -122,12 +135,13 @@ def _chat_inputs(tokenizer, prompts: list[str]) -> dict:
     return tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
 
 
-def _generate(model, heads, method: str, inputs: dict, sampling: dict, new_tokens: int) -> dict:
-    """One timed ``generate`` call -> sequences, seconds and (speculative methods) the acceptance stats."""
+def _generate(model, heads: dict, method: str, inputs: dict, sampling: dict, new_tokens: int) -> dict:
+    """One timed ``generate`` call -> sequences, seconds and (speculative methods) the acceptance stats.
+    ``heads``: {None: the run's head, NAME: each bundled head a method names with @head=NAME}."""
     import hf_kvspec
 
     extra = {} if method == "plain" else dict(custom_generate=hf_kvspec.speculative_generate,
-                                              assistant=make_assistant(method, heads))
+                                              assistant=make_assistant(method, heads[head_option(method)]))
     start = time.perf_counter()
     with torch.inference_mode():
         out = model.generate(**inputs, max_new_tokens=new_tokens, return_dict_in_generate=True, **sampling, **extra)
@@ -161,11 +175,13 @@ def run(args) -> None:
     import hf_kvspec
 
     model, tokenizer = hf_kvspec.load_bundled_model()
-    heads = load_heads(args.assistant, model, getattr(args, "head_path", None))
     methods = ["plain", *[m for m in (args.tree_methods or DEFAULT_METHODS[args.assistant]).split(",")
                           if m and m != "plain"]]
+    heads = {None: load_heads(args.assistant, model, getattr(args, "head_path", None))}
+    for name in {head_option(method) for method in methods[1:]} - {None}:
+        heads[name] = hf_kvspec.load_bundled_heads(name, base_model=model)
     for method in methods[1:]:
-        make_assistant(method, heads)  # refuse a bad name before anything is timed
+        make_assistant(method, heads[head_option(method)])  # refuse a bad name before anything is timed
     prompts = held_out_prompts(args.num_prompts)
     cells = [((1, mode, i), _chat_inputs(tokenizer, [p]), MODES[mode])
              for mode in [m for m in args.modes.split(",") if m] for i, p in enumerate(prompts)]
