@@ -24,7 +24,9 @@ class HeadImportError(HeadExportError):
 
 
 def import_head(path: str | Path, base_model, name_or_path: str | None = None):
-    """The head stored at ``path`` in a serving layout, as an attached ``EagleHead`` or ``MedusaHeads``.
+    """The head stored at ``path`` in a serving layout, as an attached ``EagleHead`` or ``MedusaHeads``, in float32
+    whatever the stored dtype (as ``from_pretrained``; ``.to(dtype)`` after for another). Building it in a stored
+    fp16 would round the rotary frequencies of the EAGLE layer to fp16 too, which ``.float()`` cannot undo.
     A directory that is missing, malformed, or exported for another base vocabulary raises ``HeadImportError``
     naming the file and field (before any head is built)."""
     path = Path(path)
@@ -161,7 +163,7 @@ def _eagle3(tensors, prefix, layer_fields, layers, norm_before_residual, base_mo
         vocab = lm_head.shape[0]
         state["d2t"] = tensors.get("d2t", torch.zeros(vocab, dtype=torch.long))
         state["t2d"] = tensors.get("t2d", torch.ones(config.base_vocab_size, dtype=torch.bool))
-    head = EagleHead(config).to(lm_head.dtype)
+    head = EagleHead(config)  # float32; load_state_dict casts the stored weights
     _load(head, state)
     return head.eval().attach(base_model, strict=False)
 
@@ -182,7 +184,7 @@ def _medusa(tensors, config, base_model, name):
     borrow = shared and heads_w[0].shape == base_lm_head.shape and torch.equal(heads_w[0].to(base_lm_head.dtype),
                                                                                base_lm_head)
     head = MedusaHeads(MedusaConfig.for_base_model(base_model, name, num_heads=num_heads, num_layers=num_layers,
-                                                   share_lm_head=borrow)).to(heads_w[0].dtype)
+                                                   share_lm_head=borrow))  # float32, as the EAGLE head
     state = {}
     for k in range(num_heads):
         for j in range(num_layers):

@@ -18,7 +18,7 @@ Compute a ranking (``python -m hf_kvspec.speculative.draft_vocab --help``)::
 
     python -m hf_kvspec.speculative.draft_vocab --corpus python-docs \\
         --prompts scripts/train_configs/chat_prompts_train_large.jsonl \\
-        --out hf_kvspec/bundled_heads/smollm2-135m-instruct-eagle/token_ranking.safetensors
+        --out hf_kvspec/bundled_heads/smollm2-135m-instruct-eagle-v2/token_ranking.safetensors
 
 Shapes: ``V`` target vocabulary, ``V'`` draft vocabulary, ``H`` hidden size, ``R`` ranked ids stored.
 """

@@ -18,14 +18,18 @@ from tests.tiny_models import tiny_model
 
 
 def test_bundled_assistants_default_to_the_shipped_vocabulary_and_auto_size():
-    eagle = hf_kvspec.EagleAssistant(load_bundled_heads("eagle"))
+    eagle_v2 = hf_kvspec.EagleAssistant(load_bundled_heads("eagle_v2"))
     medusa = hf_kvspec.MedusaAssistant(load_bundled_heads("medusa"))
     early = EarlyExitAssistant(None, adapter=load_bundled_heads("early_exit"))
-    for assistant in (eagle, medusa, early):
+    for assistant in (eagle_v2, medusa, early):
         assert assistant.vocab is not None and assistant.vocab.size == SHIPPED_SIZE
         assert assistant.auto is not None
     assert medusa.tree.num_nodes == 8  # the small tree
-    assert hf_kvspec.EagleAssistant(load_bundled_heads("eagle"), draft_vocab_size=None).vocab is None
+    assert hf_kvspec.EagleAssistant(load_bundled_heads("eagle_v2"), draft_vocab_size=None).vocab is None
+    # the EAGLE-3 head drafts over the vocabulary it was trained with (its own [8192, H] projection): no ranking on top
+    eagle = hf_kvspec.EagleAssistant(load_bundled_heads("eagle"))
+    assert eagle.vocab is None and eagle.auto is not None
+    assert eagle.head.has_draft_vocab and eagle.head.draft_vocab_ids().numel() == eagle.head.config.draft_vocab_size
 
 
 def test_shipped_without_a_ranking_is_the_full_vocabulary():

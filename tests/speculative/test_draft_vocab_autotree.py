@@ -58,7 +58,7 @@ def test_draft_vocabulary_logits_are_the_full_projections_columns():
 
 
 def test_bundled_heads_ship_a_ranking_that_loads_by_itself():
-    for kind in ("medusa", "eagle"):
+    for kind in ("medusa", "eagle_v2"):  # the EAGLE-3 head ("eagle") carries a trained draft vocabulary instead
         head = hf_kvspec.load_bundled_heads(kind)
         vocab = DraftVocabulary.for_head(head, 4096)
         assert vocab.size == 4096 and int(vocab.token_ids.max()) < head.config.base_vocab_size
