@@ -21,7 +21,8 @@ The trained heads shipped for the bundled model are built by ``make_head_assista
 medusa|eagle``), with their own options (tree, draft vocabulary) checked by ``check_head_options``:
 
     medusa                  MedusaAssistant(load_bundled_heads("medusa"))   (small tree, auto size, draft vocab)
-    eagle                   EagleAssistant(load_bundled_heads("eagle"))     (dynamic tree, auto size, draft vocab)
+    eagle                   EagleAssistant(load_bundled_heads("eagle"))     (dynamic tree, auto size; the EAGLE-3
+                            head's own trained 8,192-token draft vocabulary)
 """
 
 from __future__ import annotations
@@ -49,7 +50,21 @@ def check_head_options(kind: str, tree: str | None = None, draft_vocab_size: int
     if draft_vocab_size not in (None, "full") and (isinstance(draft_vocab_size, bool)
                                                    or not isinstance(draft_vocab_size, int) or draft_vocab_size < 1):
         raise ValueError(f"draft_vocab_size must be a positive int or 'full', got {draft_vocab_size!r}")
+    trained = _trained_draft_vocab(kind) if isinstance(draft_vocab_size, int) else None
+    if trained:
+        raise ValueError(f"the bundled {kind} head drafts over the {trained}-token vocabulary it was trained with "
+                         "(EAGLE-3); a ranked draft vocabulary applies to heads without one: drop --draft-vocab-size "
+                         "(or use --assistant medusa)")
     return tree
+
+
+def _trained_draft_vocab(kind: str) -> int | None:
+    """The bundled head's own draft-vocabulary size from its config.json (read, not loaded), or None."""
+    import json
+
+    from hf_kvspec.heads.bundled import bundled_heads_path
+
+    return json.loads((bundled_heads_path(kind) / "config.json").read_text()).get("draft_vocab_size")
 
 
 def make_head_assistant(kind: str, target, tree: str | None = None, num_draft_tokens: int | str | None = None,

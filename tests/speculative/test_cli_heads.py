@@ -21,6 +21,7 @@ from hf_kvspec.speculative.stats import AcceptanceStats
     (["--assistant", "medusa", "--tree", "dynamic"], "Medusa takes default, small or chain"),
     (["--assistant", "eagle", "--tree", "wide"], "invalid choice"),
     (["--assistant", "eagle", "--draft-vocab-size", "0"], ">= 1"),
+    (["--assistant", "eagle", "--draft-vocab-size", "2048"], "drop --draft-vocab-size"),  # EAGLE-3: its own vocab
     (["--compare-plain"], "--compare-plain apply to speculative decoding"),
 ])
 def test_bad_head_options_stop_before_the_model_loads(monkeypatch, capsys, argv, message):
@@ -34,7 +35,10 @@ def test_bad_head_options_stop_before_the_model_loads(monkeypatch, capsys, argv,
 
 def test_head_options_defaults():
     assert check_head_options("medusa") == "small" and check_head_options("eagle") == "dynamic"
-    assert check_head_options("eagle", "small", 4096) == "small"
+    assert check_head_options("medusa", "small", 4096) == "small"
+    assert check_head_options("eagle", "small", "full") == "small"
+    with pytest.raises(ValueError, match="8192-token vocabulary it was trained with"):
+        check_head_options("eagle", "small", 4096)
     with pytest.raises(ValueError, match="bundled heads"):
         check_head_options("ngram")
 
@@ -42,17 +46,22 @@ def test_head_options_defaults():
 @pytest.mark.parametrize(("kind", "tree", "cls"), [("medusa", None, hf_kvspec.MedusaAssistant),
                                                   ("eagle", "chain", hf_kvspec.EagleAssistant)])
 def test_cli_builds_the_bundled_head_assistants(kind, tree, cls):
-    argv = ["generate", "hi", "--assistant", kind, "--draft-vocab-size", "2048", "--num-draft-tokens", "auto"]
+    vocab = ["--draft-vocab-size", "2048"] if kind == "medusa" else []  # the EAGLE-3 head drafts over its own
+    argv = ["generate", "hi", "--assistant", kind, *vocab, "--num-draft-tokens", "auto"]
     args = build_parser().parse_args(argv + (["--tree", tree] if tree else []))
     args.check(args)
     assert args.num_draft_tokens == "auto"
     target = types.SimpleNamespace(dtype=torch.float32)  # the heads attach on the first call, not here
     assistant = _speculative_kwargs(args, target)["assistant"]
-    assert isinstance(assistant, cls) and assistant.vocab.size == 2048 and assistant.auto is not None
-    shipped = make_head_assistant(kind, target)  # the heads' shipped draft vocabulary by default
-    assert shipped.vocab.size == SHIPPED_SIZE
+    assert isinstance(assistant, cls) and assistant.auto is not None
+    shipped = make_head_assistant(kind, target)  # by default: the shipped ranking, or the head's trained vocabulary
     full = make_head_assistant(kind, target, draft_vocab_size="full")
     assert full.vocab is None
+    if kind == "medusa":
+        assert assistant.vocab.size == 2048 and shipped.vocab.size == SHIPPED_SIZE
+    else:
+        assert assistant.vocab is None and shipped.vocab is None and shipped.head.has_draft_vocab
+        assert shipped.head.draft_vocab_ids().numel() == 8192
 
 
 def test_compare_plain_table(capsys):
