@@ -51,7 +51,7 @@ def make_assistant(method: str, heads):
     import hf_kvspec
 
     name, *options = method.split("@")
-    extra = _options(method, [option for option in options if not option.startswith("head=")])
+    extra = _options(method, options)
     kind, *spec = name.split(":")
     if spec == ["defaults"] and kind in ("medusa", "eagle"):
         return (hf_kvspec.MedusaAssistant if kind == "medusa" else hf_kvspec.EagleAssistant)(heads, **extra)
@@ -78,9 +78,12 @@ def head_option(method: str) -> str | None:
 
 
 def _options(method: str, options: list[str]) -> dict:
-    """``@vocabN`` -> draft_vocab_size=N (FR-Spec), ``@auto`` -> num_draft_tokens="auto"."""
+    """``@vocabN`` -> draft_vocab_size=N (FR-Spec), ``@auto`` -> num_draft_tokens="auto"; ``@head=NAME`` picks the
+    head (``head_option``), not an assistant option."""
     extra = {}
     for option in options:
+        if option.startswith("head="):
+            continue
         if option == "auto":
             extra["num_draft_tokens"] = "auto"
         elif option.startswith("vocab") and option.removeprefix("vocab").isdigit():
