@@ -29,8 +29,7 @@ import torch
 from hf_kvspec import _compat
 from hf_kvspec.speculative.buffer import TokenBuffer
 from hf_kvspec.speculative.call_attention import call_attention as switched_attention
-from hf_kvspec.speculative.drafters.base import Assistant, DraftContext, DraftProposal, RoundOutcome
-from hf_kvspec.speculative.drafters.features import FeatureCapture
+from hf_kvspec.speculative.drafters.base import Assistant, DraftContext, DraftProposal, PlainDecoding, RoundOutcome
 from hf_kvspec.speculative.in_use import exclusive_use
 from hf_kvspec.speculative.output import CallOutput, SpeculativeGenerateOutput
 from hf_kvspec.speculative.positions import History, PositionwiseProcessor, PositionwiseStopper
@@ -54,13 +53,21 @@ _MAX_ROUND_SLACK = 64  # history columns past max_length: one round's drafts
 
 def speculative_generate(model, input_ids, logits_processor, stopping_criteria, generation_config,
                          assistant: Assistant | None = None, decode_kernels: bool | None = None,
-                         call_attention: bool | None = None, synced_gpus: bool = False,
-                         **model_kwargs):
+                         call_attention: bool | None = None, fast_forward: bool | None = None,
+                         synced_gpus: bool = False, **model_kwargs):
     """``custom_generate`` entry point: ``model.generate(..., custom_generate=speculative_generate, assistant=A)``.
 
     ``generate`` has already built the processors, stopping criteria, attention mask and cache; this function
     replaces only its decoding loop. Returns what ``generate`` returns (a ``SpeculativeGenerateOutput`` with
-    ``.acceptance`` when ``return_dict_in_generate=True``).
+    ``.acceptance`` when ``return_dict_in_generate=True``). ``assistant=None`` decodes plainly (one token per
+    round) through the same loop and forwards.
+
+    ``fast_forward`` (default None: on for an fp32 Llama-family target on CPU whose layers are large enough for
+    weight reads to bound a step, with a ``DynamicCache``): the target's prefill and verify forwards run
+    ``hf_kvspec.forward``'s fast forward over packed weight copies (fused, transposed; about the model's size,
+    reported in ``output.acceptance.forward``) instead of the model's own forward. Same math in another
+    summation order (outputs may differ in the last bits, as with the decode kernels). ``False`` keeps the model's
+    forward (the reference); ``True`` asks for it and raises naming why where it does not apply.
 
     ``decode_kernels`` (default None: on for a target with fp32 weights on CPU, off elsewhere): runs the few-row
     fp32 linear calls of the target and of the drafter's models (verify forwards, draft forwards) through the
@@ -79,24 +86,48 @@ def speculative_generate(model, input_ids, logits_processor, stopping_criteria, 
     check_entry(assistant, logits_processor, stopping_criteria, generation_config)
     if synced_gpus:
         raise NotImplementedError("speculative_generate does not support synced_gpus (DeepSpeed ZeRO-3 / FSDP).")
+    assistant = PlainDecoding() if assistant is None else assistant
     decoder = SpeculativeDecoder(model, assistant, logits_processor, stopping_criteria, generation_config,
-                                 streamer=_compat.generate_call_streamer())
+                                 streamer=_compat.generate_call_streamer(), cache=model_kwargs.get("cache"),
+                                 fast_forward=fast_forward)
+    forward = decoder.forward
     if decode_kernels is None:
         decode_kernels = kernels_apply(model)
     previous = _compat.attn_implementation(model.config)
     with switched_attention(model, call_attention, assistant.call_attention) as switched:
         decoder.stats.attention = f"{switched} (switched from {previous} for this call)" if switched else None
-        if not decode_kernels:
+        drafting = [module for module in assistant.kernel_modules() if isinstance(module, torch.nn.Module)]
+        routed = drafting if forward.name == "fast" else [model, *drafting]  # the fast forward packs its own
+        if not (decode_kernels and routed):
             return decoder.run(input_ids, model_kwargs)
         from hf_kvspec.kernels.linear import DecodeKernels, default_plans_file
 
-        drafting = [module for module in assistant.kernel_modules() if isinstance(module, torch.nn.Module)]
-        with DecodeKernels(model, *drafting, route_on_enter=False, plans_file=default_plans_file()) as kernels:
+        with DecodeKernels(*routed, route_on_enter=False, plans_file=default_plans_file()) as kernels:
             decoder.kernels = kernels
             try:
                 return decoder.run(input_ids, model_kwargs)
             finally:
                 decoder.stats.kernels = kernels.report()
+
+
+def call_forward(model, assistant: Assistant, cache, fast: bool | None):
+    """The call's target forward (``hf_kvspec.forward.choose_forward``): the fast forward unless ``fast`` is False,
+    it does not apply to the model or the caller's cache (a ``ValueError`` naming why when ``fast`` is True), or
+    the assistant runs the target's layers itself."""
+    from hf_kvspec.forward.runner import EagerForward, choose_forward
+
+    forward = choose_forward(model, fast)
+    if forward.name == "fast" and not forward.supports(cache):
+        if fast:
+            raise ValueError(f"fast_forward=True runs on a DynamicCache (or none); got {type(cache).__name__}. "
+                             "Drop cache= or pass fast_forward=None (the reference forward for this cache).")
+        return EagerForward(model)
+    if forward.name == "fast" and assistant.runs_verify_forward:
+        if fast:
+            raise ValueError(f"fast_forward=True: {type(assistant).__name__} runs the target's layers itself "
+                             "(self-speculation); pass fast_forward=None or False.")
+        return EagerForward(model)
+    return forward
 
 
 def kernels_apply(model) -> bool:
@@ -110,14 +141,15 @@ class SpeculativeDecoder:
     """One speculative ``generate`` call: prefill, then rounds until no row generates (module docstring)."""
 
     def __init__(self, model, assistant: Assistant, logits_processor, stopping_criteria, generation_config,
-                 streamer=None):
+                 streamer=None, cache=None, fast_forward: bool | None = False):
         check_inputs(model, assistant, generation_config)
+        self.forward = call_forward(model, assistant, cache, fast_forward)  # who runs the target's forwards
         self.model, self.assistant, self.config = model, assistant, generation_config
         self.do_sample = bool(generation_config.do_sample)
         self.processor = PositionwiseProcessor(logits_processor)
         self.stopper = PositionwiseStopper(stopping_criteria)
         self.streamer = streamer
-        self.stats = AcceptanceStats()
+        self.stats = AcceptanceStats(forward=self.forward.report())
         self.kernels = None  # the decode kernels' context (speculative_generate sets it when they are on)
         # sampling with an assistant's own (lossy) acceptance rule, asked for by name: acceptance="typical"
         self.rule = assistant.verify if self.do_sample and assistant.acceptance != "exact" else None
@@ -231,16 +263,10 @@ class SpeculativeDecoder:
         return self._forward(inputs)
 
     def _forward(self, inputs: dict):
-        """``model(**inputs)`` on the target's cache -> (logits, features of every fed column | None), the features
-        captured with hooks on the layers the assistant reads (``output_hidden_states`` would keep every layer's)."""
-        if self.feature_layers is None:
-            out, features = self.model(**inputs, cache=self.cache, use_cache=True), None
-        else:
-            with FeatureCapture(self.model, self.feature_layers) as capture:
-                out = self.model(**inputs, cache=self.cache, use_cache=True)
-            features = capture.features()
-        self.cache = out.cache if self.cache is None else self.cache
-        return out.logits, features
+        """The target's forward on its cache (``self.forward``: the fast forward or the model's own) -> (logits,
+        features of every fed column | None): the outputs of the layers the assistant reads only."""
+        logits, features, self.cache = self.forward(inputs, self.cache, self.feature_layers)
+        return logits, features
 
     def _accept(self, plan, logits: torch.Tensor) -> tuple[VerifyResult, torch.Tensor]:
         """Verify ``plan`` against ``logits`` [A, N + 1, V] and commit each row's emitted tokens (accepted path,

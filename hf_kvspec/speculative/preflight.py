@@ -19,12 +19,8 @@ HANDLED_KWARGS = {"attention_mask", "position_ids", "cache", "use_cache", "logit
 
 
 def check_entry(assistant, logits_processor, stopping_criteria, generation_config) -> None:
-    """``speculative_generate`` is ``generate``'s decoding loop: it needs an assistant, and ``generate`` builds the
-    other three arguments."""
-    if assistant is None:
-        raise ValueError("speculative_generate needs an assistant: generate(..., custom_generate="
-                         "hf_kvspec.speculative_generate, assistant=hf_kvspec.NgramAssistant()) or a "
-                         "DraftModelAssistant(draft_model).")
+    """``speculative_generate`` is ``generate``'s decoding loop: ``generate`` builds these three arguments (the
+    assistant may be None: plain decoding through the loop)."""
     missing = [name for name, value in (("logits_processor", logits_processor), ("stopping_criteria",
                stopping_criteria), ("generation_config", generation_config)) if value is None]
     if missing:

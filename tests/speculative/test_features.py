@@ -143,11 +143,14 @@ def test_canary_enable_path_really_speculates(models):
     assert stats.acceptance_rate == [1.0] * 4 and not stats.lossy
 
 
-def test_assistant_is_required_and_typed(models):
+def test_no_assistant_decodes_plainly_and_a_wrong_one_is_refused_by_type(models):
     target, drafts = models
     ids, _ = batch(1)
-    with pytest.raises(ValueError, match="needs an assistant"):
-        target.generate(ids, max_new_tokens=2, custom_generate=hf_kvspec.speculative_generate)
+    plain = target.generate(ids, max_new_tokens=6, do_sample=False)
+    out = target.generate(ids, max_new_tokens=6, do_sample=False, custom_generate=hf_kvspec.speculative_generate,
+                          return_dict_in_generate=True)
+    assert torch.equal(out.sequences, plain)
+    assert out.acceptance.rounds == 5 and out.acceptance.tokens_per_target_forward == 1.0
     with pytest.raises(TypeError, match="DraftModelAssistant"):
         target.generate(ids, max_new_tokens=2, custom_generate=hf_kvspec.speculative_generate,
                         assistant=drafts["right"])

@@ -18,12 +18,13 @@ def models():
 
 
 class _BatchSizes:
-    """Forward hook recording the batch size of every target forward."""
+    """Forward hook on the target's embedding (which both the model's own forward and the fast forward call)
+    recording the batch size of every target forward."""
 
     def __init__(self, model):
         self.sizes = []
-        self._handle = model.register_forward_hook(lambda mod, args, kw, out: self.sizes.append(kw["input_ids"].shape[0]),
-                                                   with_kwargs=True)
+        self._handle = model.get_input_embeddings().register_forward_hook(
+            lambda mod, args, out: self.sizes.append(args[0].shape[0]))
 
     def remove(self):
         self._handle.remove()

@@ -190,8 +190,9 @@ def _forward_kwargs(model):
 
 @pytest.mark.parametrize("heads", ["oracle", "random"])
 def test_eagle3_fused_features_come_from_hooks(target, heads):
-    """A two-layer-fusion EAGLE-3 head (embedding-side layer 1 + final norm): greedy identical, and the target is
-    never asked for ``output_hidden_states`` (hooks keep only the two layers)."""
+    """A two-layer-fusion EAGLE-3 head (embedding-side layer 1 + final norm): greedy identical, and the target's
+    own forward (the reference: ``fast_forward=False``) is never asked for ``output_hidden_states`` (hooks keep
+    only the two layers; the fast forward returns those two without hooks)."""
     ids, mask = batch(3)
     expected = _plain(target, ids, mask)
     head = eagle_head(target, feature_layers=[1, -1])
@@ -199,7 +200,7 @@ def test_eagle3_fused_features_come_from_hooks(target, heads):
         EagleAssistant(head, depth=4, top_k=2, total_tokens=10)
     seen, handle = _forward_kwargs(target)
     try:
-        out = _speculative(target, ids, mask, assistant, return_dict_in_generate=True)
+        out = _speculative(target, ids, mask, assistant, return_dict_in_generate=True, fast_forward=False)
     finally:
         handle.remove()
     assert torch.equal(out.sequences, expected)

@@ -230,6 +230,17 @@ class Assistant(abc.ABC):
         """Called once when the ``generate`` call finishes: drop per-call state (caches)."""
 
 
+class PlainDecoding(Assistant):
+    """Drafts nothing: ``speculative_generate(assistant=None)`` decodes one token per round through the same loop
+    and forwards (plain decoding on the fast forward, and the baseline speculation is measured against)."""
+
+    def __init__(self):
+        super().__init__(num_draft_tokens=0)
+
+    def propose(self, ctx: DraftContext) -> DraftProposal:
+        raise AssertionError("PlainDecoding drafts nothing: the loop never asks it for a proposal (N = 0)")
+
+
 def __getattr__(name: str):
     if name == "Drafter":  # the base's name before it took the word the API uses (generate(assistant=...))
         import warnings

@@ -1,0 +1,155 @@
+"""Who runs a model's forward in a decode loop: the reference (the model's own forward) or the fast forward.
+
+Boundary: one object per model and call, chosen once (``choose_forward``) and passed to whoever needs a forward
+(``speculative_generate``'s prefill and verify forwards, plain decoding through the same loop, a quantized
+drafter); the model itself is never changed. Packing is ``packed.py``, the math ``program.py``, attention over
+the cache ``attend.py``.
+
+    forward = choose_forward(model, fast=None)   # None: fast where it applies and pays, True: fast or an error
+    logits, features, cache = forward(inputs, cache, feature_layers)
+
+``inputs`` are the model kwargs the loop builds (``input_ids``, ``position_ids``, ``attention_mask``,
+``logits_to_keep``). The fast forward applies to fp32 Llama-family decoders on CPU (``packed.unsupported_reason``)
+with a ``DynamicCache`` (or none yet); a call with another cache runs the reference. Its packed weights (about
+the model's size) are built at the first need per model, kept while the weights are unchanged, and reported
+with the time packing took (``report``).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import weakref
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+from hf_kvspec.forward import program
+from hf_kvspec.forward.attend import CacheAttention
+from hf_kvspec.forward.packed import PackedModel, pack, unsupported_reason
+
+#: under ``fast=None`` smaller models keep the reference: their steps are bound by per-op overhead, not weight
+#: reads, and tiny test models keep the reference's exact rounding (the same threshold as the decode kernels)
+MIN_LINEAR_ELEMENTS = 1 << 16
+#: the packed copies may take at most this fraction of the memory available when they are built
+MEMORY_FRACTION = 0.5
+
+_PACKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> PackedModel
+_LOCK = threading.Lock()
+
+
+class EagerForward:
+    """The reference: ``model(**inputs)`` on the cache, features captured with hooks (``FeatureCapture``)."""
+
+    name = "eager"
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+
+    def supports(self, cache) -> bool:
+        return True
+
+    def __call__(self, inputs: dict, cache, feature_layers: Sequence[int] | None = None):
+        """-> (logits [B, K, V], features [B, T, C] | None, the cache the forward used)."""
+        from hf_kvspec.speculative.drafters.features import FeatureCapture
+
+        if feature_layers is None:
+            out, features = self.model(**inputs, cache=cache, use_cache=True), None
+        else:
+            with FeatureCapture(self.model, feature_layers) as capture:
+                out = self.model(**inputs, cache=cache, use_cache=True)
+            features = capture.features()
+        return out.logits, features, out.cache if cache is None else cache
+
+    def report(self) -> dict:
+        return {"forward": self.name}
+
+
+class FastForward:
+    """The fast forward (``program.forward``) over the model's packed weights; same call as ``EagerForward``."""
+
+    name = "fast"
+
+    def __init__(self, model: nn.Module):
+        reason = unsupported_reason(model)
+        if reason is not None:
+            raise ValueError(f"fast_forward=True does not apply to this model: {reason}. Use fast_forward=None "
+                             "(fast where it applies) or False (the reference).")
+        self.model = model
+        self.packed, self.pack_s = packed_weights(model)
+
+    def supports(self, cache) -> bool:
+        """A ``DynamicCache`` of full-attention layers, or no cache yet (the first forward makes one)."""
+        return cache is None or (type(cache) is DynamicCache
+                                 and all(type(layer) is DynamicLayer for layer in cache.layers))
+
+    def __call__(self, inputs: dict, cache, feature_layers: Sequence[int] | None = None):
+        """-> (logits [B, K, V], features [B, T, C] | None, the cache)."""
+        if cache is None:
+            cache = DynamicCache(config=self.model.config)
+        input_ids = inputs["input_ids"]  # [B, T]
+        positions = inputs.get("position_ids")
+        if positions is None:
+            start = cache.get_seq_length()
+            positions = torch.arange(start, start + input_ids.shape[1]).expand(input_ids.shape[0], -1)
+        attend = CacheAttention(cache, inputs.get("attention_mask"), input_ids.shape[1], self.packed.dims.scaling)
+        logits, features = program.forward(self.packed, input_ids, positions, attend,
+                                           inputs.get("logits_to_keep") or 0, feature_layers)
+        return logits, features, cache
+
+    def report(self) -> dict:
+        return {"forward": self.name, "packed_bytes": self.packed.nbytes, "pack_s": self.pack_s}
+
+
+def choose_forward(model: nn.Module, fast: bool | None = None) -> EagerForward | FastForward:
+    """``fast=None``: the fast forward where it applies and pays (``fast_forward_applies``), else the reference;
+    ``True``: the fast forward or a ``ValueError`` naming why not; ``False``: the reference."""
+    if fast is not None and not isinstance(fast, bool):
+        raise TypeError(f"fast_forward must be True, False or None (auto), got {fast!r}")
+    if fast is False or (fast is None and not fast_forward_applies(model)):
+        return EagerForward(model)
+    return FastForward(model)
+
+
+def fast_forward_applies(model: nn.Module) -> bool:
+    """True when ``fast=None`` picks the fast forward: a supported model whose linear layers are large enough
+    for weight reads to bound a step, not being compiled, with room for the packed copy."""
+    if torch.compiler.is_compiling() or unsupported_reason(model) is not None:
+        return False
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    if max((m.weight.numel() for m in linears), default=0) < MIN_LINEAR_ELEMENTS:
+        return False
+    return model in _PACKED or _linear_bytes(linears) <= MEMORY_FRACTION * _available_bytes()
+
+
+def packed_weights(model: nn.Module) -> tuple[PackedModel, float]:
+    """The model's packed copy (built at the first need, rebuilt when a weight changed) and the seconds this
+    call spent packing (0 when it was current)."""
+    with _LOCK:
+        packed = _PACKED.get(model)
+        if packed is not None and packed.current(model):
+            return packed, 0.0
+        _PACKED.pop(model, None)  # a stale copy goes before the new one is built
+        start = time.perf_counter()
+        packed = _PACKED[model] = pack(model)
+        return packed, time.perf_counter() - start
+
+
+def release_packed_weights(model: nn.Module) -> int:
+    """Free the fast forward's packed copy of ``model``; returns the bytes freed."""
+    with _LOCK:
+        packed = _PACKED.pop(model, None)
+    return 0 if packed is None else packed.nbytes
+
+
+def _linear_bytes(linears: list[nn.Module]) -> int:
+    return sum(p.numel() * p.element_size() for m in linears for p in m.parameters(recurse=False))
+
+
+def _available_bytes() -> int:
+    from hf_kvspec.kernels.copies import available_bytes
+
+    return available_bytes()

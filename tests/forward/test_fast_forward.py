@@ -1,0 +1,163 @@
+"""The fast forward (``hf_kvspec.forward``) against the reference, the model's own forward, on tiny models.
+
+Tolerance: the fast forward computes the same function with fused, transposed weight copies, so each projection
+sums in another order; on these models (hidden 64, fp32, activations O(1)) the logits differ by ~1e-6, and
+``ATOL = 1e-4`` leaves two orders of margin while any real mistake (a missed norm, rotary or mask) moves logits
+by O(0.1) or more.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache, StaticCache
+
+import hf_kvspec
+from hf_kvspec.forward import runner
+from hf_kvspec.forward.packed import unsupported_reason
+from hf_kvspec.forward.runner import EagerForward, FastForward, choose_forward
+from tests.tiny_models import left_padded_batch, tiny_model
+
+ATOL = 1e-4
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def model(request):
+    return tiny_model(request.param, seed=3)
+
+
+def _pair(model, inputs, feature_layers=None, cache_pair=None):
+    """(fast, reference) results of one forward each on their own copies of a cache."""
+    fast_cache, eager_cache = cache_pair or (None, None)
+    fast = FastForward(model)(inputs, fast_cache, feature_layers)
+    eager = EagerForward(model)(inputs, eager_cache, feature_layers)
+    return fast, eager
+
+
+@torch.inference_mode()
+def test_prefill_then_decode_steps_match_the_reference(model):
+    ids = torch.randint(3, 96, (2, 9))
+    (fl, _, fc), (el, _, ec) = _pair(model, dict(input_ids=ids))
+    torch.testing.assert_close(fl, el, atol=ATOL, rtol=0)
+    token = el[:, -1:].argmax(-1)
+    for _ in range(4):
+        (fl, _, _), (el, _, _) = _pair(model, dict(input_ids=token, logits_to_keep=1), cache_pair=(fc, ec))
+        torch.testing.assert_close(fl, el, atol=ATOL, rtol=0)
+        token = el[:, -1:].argmax(-1)
+    assert fc.get_seq_length() == ec.get_seq_length() == 13
+    torch.testing.assert_close(fc.layers[1].keys, ec.layers[1].keys, atol=ATOL, rtol=0)
+
+
+@torch.inference_mode()
+def test_left_padding_and_several_new_tokens_with_features(model):
+    ids, mask = left_padded_batch([[5, 6, 7, 8, 9, 10], [11, 12, 13], [14, 15, 16, 17]])
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    inputs = dict(input_ids=ids, attention_mask=mask, position_ids=positions)
+    (fl, ff, fc), (el, ef, ec) = _pair(model, inputs, feature_layers=(0, 1, -1))
+    real = mask.bool()
+    torch.testing.assert_close(fl[real], el[real], atol=ATOL, rtol=0)  # padding columns' outputs are unused
+    torch.testing.assert_close(ff[real], ef[real], atol=ATOL, rtol=0)
+    assert not fl.isnan().any()
+    new = torch.randint(3, 96, (3, 4))  # a verify forward: 4 tokens per row after the padded prompts
+    inputs = dict(input_ids=new, attention_mask=torch.cat([mask, torch.ones(3, 4, dtype=mask.dtype)], dim=1),
+                  position_ids=positions[:, -1:] + 1 + torch.arange(4), logits_to_keep=4)
+    (fl, ff, _), (el, ef, _) = _pair(model, inputs, feature_layers=(2,), cache_pair=(fc, ec))
+    torch.testing.assert_close(fl, el, atol=ATOL, rtol=0)
+    torch.testing.assert_close(ff, ef, atol=ATOL, rtol=0)
+
+
+@torch.inference_mode()
+def test_a_4d_tree_mask_is_used_as_given(model):
+    ids = torch.randint(3, 96, (1, 5))
+    (_, _, fc), (_, _, ec) = _pair(model, dict(input_ids=ids))
+    # root + two siblings (each sees the root only) + a child of the second: nodes 0..3 at positions 5, 6, 6, 7
+    parents = [-1, 0, 0, 2]
+    visible = torch.zeros(4, 9, dtype=torch.bool)
+    visible[:, :5] = True
+    for node, parent in enumerate(parents):
+        visible[node, 5 + node] = True
+        while parent >= 0:
+            visible[node, 5 + parent], parent = True, parents[parent]
+    mask = torch.zeros(1, 1, 4, 9).masked_fill(~visible, torch.finfo(torch.float32).min)
+    inputs = dict(input_ids=torch.randint(3, 96, (1, 4)), attention_mask=mask,
+                  position_ids=torch.tensor([[5, 6, 6, 7]]), logits_to_keep=4)
+    (fl, _, _), (el, _, _) = _pair(model, inputs, cache_pair=(fc, ec))
+    torch.testing.assert_close(fl, el, atol=ATOL, rtol=0)
+
+
+def test_the_model_is_left_as_it_was(model):
+    before = {name: (t.data_ptr(), t.clone()) for name, t in model.state_dict().items()}
+    hooks = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+    with torch.inference_mode():
+        FastForward(model)(dict(input_ids=torch.tensor([[4, 5, 6]])), None)
+    after = model.state_dict()
+    assert before.keys() == after.keys()
+    assert all(after[n].data_ptr() == ptr and torch.equal(after[n], value) for n, (ptr, value) in before.items())
+    assert hooks == sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+    assert not any("forward" in vars(m) for m in model.modules())
+
+
+def test_packed_bytes_are_one_copy_of_every_linear_weight(model):
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    expected = sum(p.numel() * 4 for m in linears for p in m.parameters(recurse=False))
+    assert FastForward(model).report()["packed_bytes"] == expected
+
+
+def test_a_changed_weight_is_repacked():
+    model = tiny_model("llama", seed=4)
+    ids = torch.tensor([[4, 5, 6, 7]])
+    with torch.inference_mode():
+        FastForward(model)(dict(input_ids=ids), None)
+    with torch.no_grad():
+        model.model.layers[0].mlp.down_proj.weight.mul_(3.0)  # in place: same tensor, new version
+    fast = FastForward(model)
+    assert fast.pack_s > 0  # repacked, not served from the stale copy
+    with torch.inference_mode():
+        (fl, _, _), (el, _, _) = (fast(dict(input_ids=ids), None), EagerForward(model)(dict(input_ids=ids), None))
+    torch.testing.assert_close(fl, el, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize(("kind", "needle"), [("mistral", "sliding-window"), ("gemma2", "model_type"),
+                                              ("deepseek_v3", "model_type")])
+def test_unsupported_models_are_named_and_auto_keeps_the_reference(kind, needle, monkeypatch):
+    model = tiny_model(kind)
+    assert needle in unsupported_reason(model)
+    monkeypatch.setattr(runner, "MIN_LINEAR_ELEMENTS", 0)
+    assert choose_forward(model, None).name == "eager"
+    with pytest.raises(ValueError, match=f"fast_forward=True does not apply.*{needle}"):
+        choose_forward(model, True)
+
+
+def test_bf16_and_small_models_keep_the_reference_under_auto(monkeypatch):
+    model = tiny_model("llama")
+    assert choose_forward(model, None).name == "eager"  # layers below MIN_LINEAR_ELEMENTS
+    monkeypatch.setattr(runner, "MIN_LINEAR_ELEMENTS", 0)
+    assert choose_forward(model, None).name == "fast"
+    assert "fp32" in unsupported_reason(tiny_model("llama").to(torch.bfloat16))
+    with pytest.raises(TypeError, match="True, False or None"):
+        choose_forward(model, "yes")
+
+
+def _generate(model, ids, **kw):
+    return model.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=0,
+                          custom_generate=hf_kvspec.speculative_generate, return_dict_in_generate=True, **kw)
+
+
+def test_plain_decoding_on_the_fast_forward_equals_generate(model):
+    ids, mask = left_padded_batch([[5, 6, 7, 8], [9, 10]])
+    expected = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    out = _generate(model, ids, attention_mask=mask, fast_forward=True)
+    assert torch.equal(out.sequences, expected)
+    assert out.acceptance.forward["forward"] == "fast"
+    assert _generate(model, ids, attention_mask=mask, fast_forward=False).acceptance.forward == {"forward": "eager"}
+
+
+def test_a_cache_the_fast_forward_cannot_use(model):
+    ids = torch.tensor([[4, 5, 6]])
+    static = StaticCache(config=model.config, max_cache_len=32)
+    with pytest.raises(ValueError, match="DynamicCache.*StaticCache"):
+        _generate(model, ids, cache=static, fast_forward=True)
+    out = _generate(model, ids, cache=StaticCache(config=model.config, max_cache_len=32), fast_forward=None)
+    assert out.acceptance.forward["forward"] == "eager"
+    assert _generate(model, ids, cache=DynamicCache(config=model.config), fast_forward=True).acceptance.forward[
+        "forward"] == "fast"
