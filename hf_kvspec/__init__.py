@@ -47,6 +47,10 @@ _EXPORTS: dict[str, str] = {
     "DecodeKernels": "hf_kvspec.kernels.linear",
     "decode_kernels": "hf_kvspec.kernels.linear",
     "release_decode_kernels": "hf_kvspec.kernels.linear",
+    # the fast forward
+    "choose_forward": "hf_kvspec.forward.runner",
+    "FastForward": "hf_kvspec.forward.runner",
+    "release_packed_weights": "hf_kvspec.forward.runner",
     # speculative decoding
     "speculative_generate": "hf_kvspec.speculative.loop",
     "SpeculativeGenerateOutput": "hf_kvspec.speculative.output",
@@ -59,6 +63,7 @@ _EXPORTS: dict[str, str] = {
     "RoundOutcome": "hf_kvspec.speculative.drafters.base",
     "DraftModelAssistant": "hf_kvspec.speculative.drafters.draft_model",
     "NgramAssistant": "hf_kvspec.speculative.drafters.ngram",
+    "QuantizedSelfAssistant": "hf_kvspec.speculative.drafters.quantized_self",
     "LookaheadAssistant": "hf_kvspec.speculative.drafters.lookahead",
     "MedusaAssistant": "hf_kvspec.speculative.drafters.medusa",
     "EagleAssistant": "hf_kvspec.speculative.drafters.eagle",

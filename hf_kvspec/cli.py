@@ -152,6 +152,10 @@ def _add_generate(subparsers) -> None:
                               "(the default on CPU; same results up to rounding; keeps weight copies)")
     kernels.add_argument("--stock-kernels", action="store_true",
                          help="with --assistant: torch's stock linear kernels (the reference path)")
+    p.add_argument("--reference-forward", action="store_true",
+                   help="run the model's own forward instead of hf_kvspec's fast forward (packed weight copies, "
+                        "on by default for fp32 Llama-family models with --cache dynamic; same results up to "
+                        "rounding)")
     p.set_defaults(func=_run_generate, check=functools.partial(_check_generate, p))
 
 
@@ -227,7 +231,7 @@ def _run_generate(args) -> None:
     inputs = _prompt_ids(tokenizer, args.prompt, chat=not args.no_chat)
     enable_cache_attention(args.cache, model)  # e.g. kivi4 attends on its codes instead of dequantizing per step
     speculative = _speculative_kwargs(args, model)
-    tokens = cache_tokens(inputs["input_ids"].shape[1], args.max_new_tokens, speculative.get("assistant"))
+    tokens = cache_tokens(inputs["input_ids"].shape[1], args.max_new_tokens, speculative["assistant"])
     cache = make_cache(args.cache, model.config, max_tokens=tokens)
     sampling = {"do_sample": True, "temperature": args.temperature} if args.temperature > 0 else {"do_sample": False}
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
@@ -236,11 +240,11 @@ def _run_generate(args) -> None:
     if args.compare_plain:  # first, so both runs find the model warm
         print("plain decoding (reference, not shown) ...", flush=True)
         fresh = make_cache(args.cache, model.config, max_tokens=tokens)
-        plain = _timed(model, inputs, fresh, args.max_new_tokens, sampling, {})
+        plain = _timed(model, inputs, fresh, args.max_new_tokens, sampling, {**speculative, "assistant": None})
     out, elapsed = _timed(model, inputs, cache, args.max_new_tokens, sampling, speculative, streamer=streamer)
     new_tokens = out.sequences.shape[1] - inputs["input_ids"].shape[1]
     _print_stats(new_tokens, elapsed, kv_bytes=cache_nbytes(out.cache or cache), cache_name=args.cache,
-                 acceptance=getattr(out, "acceptance", None))
+                 acceptance=out.acceptance)
     if plain is not None:
         _print_comparison(args.assistant, out, elapsed, *plain, inputs["input_ids"].shape[1],
                           greedy=not sampling["do_sample"])
@@ -258,7 +262,7 @@ def _calibrate_kernels(model, speculative: dict) -> None:
     """Time the decode kernels for this machine before anything is timed (once: the choices are stored)."""
     from hf_kvspec.speculative.loop import kernels_apply
 
-    if not speculative or speculative["decode_kernels"] is False or not kernels_apply(model):
+    if speculative["assistant"] is None or speculative["decode_kernels"] is False or not kernels_apply(model):
         return
     from hf_kvspec.kernels.linear import DecodeKernels, default_plans_file
 
@@ -302,11 +306,14 @@ def _print_comparison(name, out, elapsed, plain_out, plain_elapsed, prompt_len, 
 
 
 def _speculative_kwargs(args, model) -> dict:
-    if args.assistant is None:
-        return {}
+    """``generate`` kwargs: hf_kvspec's loop (plain decoding without ``--assistant``) on the fast forward unless
+    ``--reference-forward``."""
     from hf_kvspec.speculative.assistants import HEAD_ASSISTANTS, make_assistant, make_head_assistant
     from hf_kvspec.speculative.loop import speculative_generate
 
+    fast_forward = False if args.reference_forward else None
+    if args.assistant is None:
+        return {"custom_generate": speculative_generate, "assistant": None, "fast_forward": fast_forward}
     if args.assistant in HEAD_ASSISTANTS:
         assistant = make_head_assistant(args.assistant, model, args.tree, args.num_draft_tokens, args.draft_vocab_size)
     else:
@@ -314,7 +321,8 @@ def _speculative_kwargs(args, model) -> dict:
         num_draft_tokens = default if args.num_draft_tokens is None else args.num_draft_tokens
         assistant = make_assistant(args.assistant, model, num_draft_tokens)
     decode_kernels = True if args.decode_kernels else False if args.stock_kernels else None  # None: on where it helps
-    return {"custom_generate": speculative_generate, "assistant": assistant, "decode_kernels": decode_kernels}
+    return {"custom_generate": speculative_generate, "assistant": assistant, "decode_kernels": decode_kernels,
+            "fast_forward": fast_forward}
 
 
 def _print_stats(new_tokens: int, elapsed: float, kv_bytes: int, cache_name: str, acceptance=None) -> None:

@@ -11,8 +11,11 @@ query/key/value projections into one ``[E, (Hq + 2 Hkv) D]`` matrix and gate/up 
 calls per layer. A projection's outputs are computed by the same dot products as the model's own, in another
 summation order: results differ from the reference by fp32 rounding only.
 
-Memory: one copy of every linear weight (about the model's size; ``PackedModel.nbytes``), the norms' weights are
-shared with the model (not copied). Copies go stale when a weight changes; ``PackedModel.current`` says so
+Memory: one copy of every linear weight (about the model's size), plus a second, oneDNN-blocked one once calls
+of several rows run (speculative verify forwards, batches, prefills: oneDNN reads a blocked weight once for all
+rows where MKL's GEMM on the transposed copy slows down past one row), within a memory budget
+(``BLOCKED_MEMORY_FRACTION``); ``PackedModel.bytes_held()`` says what is held. The norms' weights are shared with
+the model (not copied). Copies go stale when a weight changes; ``PackedModel.current`` says so
 (checked once per ``generate`` call, not per step) and the owner repacks.
 
 Shapes: ``E`` hidden size, ``Hq``/``Hkv`` query/KV heads, ``D`` head dim, ``F`` MLP width, ``V`` vocabulary,
@@ -21,33 +24,50 @@ Shapes: ``E`` hidden size, ``Hq``/``Hkv`` query/KV heads, ``D`` head dim, ``F`` 
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import nn
+
+from hf_kvspec.kernels.copies import available_bytes
+from hf_kvspec.kernels.ops import make_copy, onednn_available, run
 
 #: ``model_type``s whose decoder layer is exactly: RMSNorm -> q/k/v (optional bias) -> rotary -> attention -> o ->
 #: residual -> RMSNorm -> SiLU(gate) * up -> down -> residual, with no other per-layer state
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
 
-@dataclass(frozen=True)
 class PackedLinear:
-    """``x`` [R, I] -> [R, O] = ``x @ weight_t + bias``, ``weight_t`` [I, O] contiguous fp32."""
+    """``x`` [R, I] -> [R, O] = ``x @ W.T + bias`` over copies of ``W`` [O, I] in the layout each row count reads
+    fastest: one row (a decode step) reads a transposed copy ``weight_t`` [I, O] in order; several rows (a verify
+    forward, a prefill) read a oneDNN-blocked copy, made at the first such call (``hf_kvspec.kernels.ops``) when
+    the memory budget allows it, else the transposed copy. Thread-safe: the blocked copy is made once."""
 
-    weight_t: torch.Tensor
-    bias: torch.Tensor | None = None
+    def __init__(self, weight_t: torch.Tensor, bias: torch.Tensor | None = None):
+        self.weight_t, self.bias = weight_t, bias
+        self.blocked: torch.Tensor | None = None  # oneDNN's layout of the weight, for calls of several rows
+        self._lock = threading.Lock()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] > 1 and (self.blocked is not None or self._make_blocked()):
+            return run("onednn", x, self.blocked, self.bias)
         if self.bias is None:
             return torch.mm(x, self.weight_t)
         return torch.addmm(self.bias, x, self.weight_t)
 
+    def _make_blocked(self) -> bool:
+        with self._lock:
+            if self.blocked is None and onednn_available() and _room_for(self.weight_t):
+                self.blocked = make_copy("onednn", self.weight_t.t())
+        return self.blocked is not None
+
     @property
     def nbytes(self) -> int:
-        extra = 0 if self.bias is None else self.bias.numel() * self.bias.element_size()
-        return self.weight_t.numel() * self.weight_t.element_size() + extra
+        tensors = (self.weight_t, self.bias, self.blocked)
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
     @classmethod
     def of(cls, *linears: nn.Linear) -> PackedLinear:
@@ -63,9 +83,25 @@ class PackedLinear:
             return cls(weight_t, bias)
 
 
+#: the blocked copies (for calls of several rows) may take at most this fraction of the memory available
+BLOCKED_MEMORY_FRACTION = 0.25
+
+
+def _room_for(weight: torch.Tensor) -> bool:
+    return weight.numel() * weight.element_size() <= BLOCKED_MEMORY_FRACTION * available_bytes()
+
+
+class Projection(Protocol):
+    """What the program calls for a linear layer (``PackedLinear`` or a quantized one): [R, I] -> [R, O]."""
+
+    nbytes: int  # bytes of the copies it holds now
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
+
+
 #: how a packed copy of some linears is made: fp32 ``PackedLinear.of`` by default; a quantized drafter passes
-#: its own maker (``hf_kvspec.speculative.drafters.quantized_self``) and gets the same program over other weights
-LinearMaker = Callable[..., Callable[[torch.Tensor], torch.Tensor]]
+#: its own maker and gets the same program over other weights
+LinearMaker = Callable[..., Projection]
 
 
 @dataclass(frozen=True)
@@ -73,11 +109,11 @@ class PackedLayer:
     """One decoder layer's copies; the norm weights [E] are the model's own tensors."""
 
     input_norm: torch.Tensor
-    qkv: Callable[[torch.Tensor], torch.Tensor]  # [R, E] -> [R, (Hq + 2 Hkv) D]
-    o: Callable[[torch.Tensor], torch.Tensor]  # [R, Hq D] -> [R, E]
+    qkv: Projection  # [R, E] -> [R, (Hq + 2 Hkv) D]
+    o: Projection  # [R, Hq D] -> [R, E]
     post_norm: torch.Tensor
-    gate_up: Callable[[torch.Tensor], torch.Tensor]  # [R, E] -> [R, 2 F]
-    down: Callable[[torch.Tensor], torch.Tensor]  # [R, F] -> [R, E]
+    gate_up: Projection  # [R, E] -> [R, 2 F]
+    down: Projection  # [R, F] -> [R, E]
 
 
 @dataclass(frozen=True)
@@ -99,11 +135,17 @@ class PackedModel:
     embed: nn.Module
     layers: list[PackedLayer]
     norm: torch.Tensor
-    lm_head: Callable[[torch.Tensor], torch.Tensor]  # [R, E] -> [R, V]
+    lm_head: Projection  # [R, E] -> [R, V]
     rotary: nn.Module
     dims: Dims
     stamps: tuple  # (Parameter, data_ptr, version) of every weight the copies were made from
-    nbytes: int
+
+    def linears(self) -> list[Projection]:
+        return [f for layer in self.layers for f in (layer.qkv, layer.o, layer.gate_up, layer.down)] + [self.lm_head]
+
+    def bytes_held(self) -> int:
+        """Bytes of every copy held now (the blocked copies count once they are made)."""
+        return sum(f.nbytes for f in self.linears())
 
     def current(self, model: nn.Module) -> bool:
         """True while every source weight is the same tensor, memory and in-place version as when packed."""
@@ -120,11 +162,8 @@ def pack(model: nn.Module, make_linear: LinearMaker = PackedLinear.of) -> Packed
     dims = Dims(hidden=config.hidden_size, heads=config.num_attention_heads, kv_heads=config.num_key_value_heads,
                 head_dim=attn.head_dim, mlp=config.intermediate_size,
                 eps=float(decoder.layers[0].input_layernorm.variance_epsilon), scaling=float(attn.scaling))
-    linears = [f for layer in layers for f in (layer.qkv, layer.o, layer.gate_up, layer.down)] + [lm_head]
-    nbytes = sum(getattr(f, "nbytes", 0) for f in linears)
     stamps = tuple(_stamp(p) for p in _linear_weights(model))
-    return PackedModel(decoder.embed_tokens, layers, decoder.norm.weight, lm_head, decoder.rotary_emb, dims,
-                       stamps, nbytes)
+    return PackedModel(decoder.embed_tokens, layers, decoder.norm.weight, lm_head, decoder.rotary_emb, dims, stamps)
 
 
 def _pack_layer(layer: nn.Module, make_linear: LinearMaker) -> PackedLayer:

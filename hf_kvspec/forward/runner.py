@@ -29,7 +29,7 @@ from transformers.cache_utils import DynamicLayer
 
 from hf_kvspec.forward import program
 from hf_kvspec.forward.attend import CacheAttention
-from hf_kvspec.forward.packed import PackedModel, pack, unsupported_reason
+from hf_kvspec.forward.packed import PackedLinear, PackedModel, pack, unsupported_reason
 
 #: under ``fast=None`` smaller models keep the reference: their steps are bound by per-op overhead, not weight
 #: reads, and tiny test models keep the reference's exact rounding (the same threshold as the decode kernels)
@@ -37,7 +37,7 @@ MIN_LINEAR_ELEMENTS = 1 << 16
 #: the packed copies may take at most this fraction of the memory available when they are built
 MEMORY_FRACTION = 0.5
 
-_PACKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> PackedModel
+_PACKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {weight format: PackedModel}
 _LOCK = threading.Lock()
 
 
@@ -69,17 +69,22 @@ class EagerForward:
 
 
 class FastForward:
-    """The fast forward (``program.forward``) over the model's packed weights; same call as ``EagerForward``."""
+    """The fast forward (``program.forward``) over the model's packed weights; same call as ``EagerForward``.
+
+    ``weights``: ``"fp32"`` (the model's values: same results up to rounding) or a lossy quantized copy
+    (``"int8"``, ``"int4"``: ``quantized.py``), which only a drafter uses (the target verifies its guesses)."""
 
     name = "fast"
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, weights: str = "fp32"):
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"fast_forward=True does not apply to this model: {reason}. Use fast_forward=None "
                              "(fast where it applies) or False (the reference).")
-        self.model = model
-        self.packed, self.pack_s = packed_weights(model)
+        if weights not in WEIGHT_FORMATS:
+            raise ValueError(f"weights must be one of {tuple(WEIGHT_FORMATS)}, got {weights!r}")
+        self.model, self.weights = model, weights
+        self.packed, self.pack_s = packed_weights(model, weights)
 
     def supports(self, cache) -> bool:
         """A ``DynamicCache`` of full-attention layers, or no cache yet (the first forward makes one)."""
@@ -101,7 +106,8 @@ class FastForward:
         return logits, features, cache
 
     def report(self) -> dict:
-        return {"forward": self.name, "packed_bytes": self.packed.nbytes, "pack_s": self.pack_s}
+        return {"forward": self.name, "weights": self.weights, "packed_bytes": self.packed.bytes_held(),
+                "pack_s": self.pack_s}
 
 
 def choose_forward(model: nn.Module, fast: bool | None = None) -> EagerForward | FastForward:
@@ -125,24 +131,42 @@ def fast_forward_applies(model: nn.Module) -> bool:
     return model in _PACKED or _linear_bytes(linears) <= MEMORY_FRACTION * _available_bytes()
 
 
-def packed_weights(model: nn.Module) -> tuple[PackedModel, float]:
-    """The model's packed copy (built at the first need, rebuilt when a weight changed) and the seconds this
-    call spent packing (0 when it was current)."""
+def packed_weights(model: nn.Module, weights: str = "fp32") -> tuple[PackedModel, float]:
+    """The model's packed copy in ``weights`` format (built at the first need, rebuilt when a weight changed) and
+    the seconds this call spent packing (0 when it was current)."""
     with _LOCK:
-        packed = _PACKED.get(model)
+        copies = _PACKED.setdefault(model, {})
+        packed = copies.get(weights)
         if packed is not None and packed.current(model):
             return packed, 0.0
-        _PACKED.pop(model, None)  # a stale copy goes before the new one is built
+        copies.pop(weights, None)  # a stale copy goes before the new one is built
         start = time.perf_counter()
-        packed = _PACKED[model] = pack(model)
+        packed = copies[weights] = pack(model, WEIGHT_FORMATS[weights]())
         return packed, time.perf_counter() - start
 
 
 def release_packed_weights(model: nn.Module) -> int:
-    """Free the fast forward's packed copy of ``model``; returns the bytes freed."""
+    """Free the fast forward's packed copies of ``model`` (every format); returns the bytes freed."""
     with _LOCK:
-        packed = _PACKED.pop(model, None)
-    return 0 if packed is None else packed.nbytes
+        copies = _PACKED.pop(model, {})
+    return sum(packed.bytes_held() for packed in copies.values())
+
+
+def _fp32_maker():
+    return PackedLinear.of
+
+
+def _quantized_maker(bits: int):
+    def maker():
+        from hf_kvspec.forward.quantized import QuantizedLinear
+
+        return lambda *linears: QuantizedLinear.of(*linears, bits=bits)
+
+    return maker
+
+
+#: weight format -> a function giving the ``LinearMaker`` that packs it (quantized ones import their kernels lazily)
+WEIGHT_FORMATS = {"fp32": _fp32_maker, "int8": _quantized_maker(8), "int4": _quantized_maker(4)}
 
 
 def _linear_bytes(linears: list[nn.Module]) -> int:

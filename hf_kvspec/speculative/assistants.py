@@ -13,6 +13,8 @@ Boundary: maps names to drafter constructors; knows nothing about the decode loo
                             last W (default 256) committed tokens of its own cache (long contexts)
     lookahead[:W[:N[:G]]]   LookaheadAssistant(window=W, ngram=N, guesses=G): Lookahead decoding, the target only
                             (defaults 5, 4, 5); num_draft_tokens "auto" sizes each round, an int caps its nodes
+    self-int8 | self-int4   QuantizedSelfAssistant(target, weights="int8"|"int4"): the target drafts from a
+                            weight-only quantized copy of its own linear layers (fp32 Llama-family targets on CPU)
 
 ``check_spec`` parses a spec without loading anything (the CLI calls it before the model loads); ``~`` in a
 directory is expanded.
@@ -29,8 +31,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-ASSISTANT_HELP = ("ngram | draft:<causal LM dir> | draft:truncated:<N layers of the target> | early_exit[:E] | "
-                  "layer_skip | sparse_kv[:window] | lookahead[:W[:N[:G]]]")
+ASSISTANT_HELP = ("ngram | self-int8 | self-int4 | draft:<causal LM dir> | draft:truncated:<N layers of the target> | "
+                  "early_exit[:E] | layer_skip | sparse_kv[:window] | lookahead[:W[:N[:G]]]")
 HEAD_ASSISTANTS = ("medusa", "eagle")
 TREES = ("default", "small", "chain", "dynamic")
 
@@ -96,6 +98,8 @@ def check_spec(spec: str) -> tuple[str, int | Path | None]:
         return "ngram", None
     if spec == "layer_skip":  # LayerSkipAssistant("search"): the skip set measured on the first prompt
         return "layer_skip", None
+    if spec in ("self-int8", "self-int4"):  # QuantizedSelfAssistant(target, weights="int8" | "int4")
+        return "self", spec.removeprefix("self-")
     if spec == "early_exit" or spec.startswith("early_exit:"):  # EarlyExitAssistant(E); E defaults to L // 2
         layers = spec.removeprefix("early_exit").removeprefix(":")
         if spec != "early_exit" and (not layers.isdigit() or int(layers) < 1):
@@ -144,6 +148,10 @@ def make_assistant(spec: str, target, num_draft_tokens: int | str = 4):
         return LookaheadAssistant(*value, num_draft_tokens=num_draft_tokens)
     if kind in ("early_exit", "layer_skip", "sparse_kv"):
         return _self_drafter(kind, value, target, num_draft_tokens)
+    if kind == "self":
+        from hf_kvspec.speculative.drafters.quantized_self import QuantizedSelfAssistant
+
+        return QuantizedSelfAssistant(target, weights=value, num_draft_tokens=num_draft_tokens)
     if kind == "truncated":
         from hf_kvspec.speculative.drafters.truncated import truncated_draft
 

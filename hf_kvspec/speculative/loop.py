@@ -183,6 +183,7 @@ class SpeculativeDecoder:
                 self._round()
         finally:
             self.assistant.end()
+            self.stats.drafter = self.assistant.report()
         self.output.stream(self.rows.full, self.rows.call_alive(), final=True)
         return self.output.result(self.rows.full, None if self.rows.may_leave else self.cache, self.stats)
 

@@ -36,6 +36,7 @@ class AcceptanceStats:
     verify_time_s: float = 0.0
     draft_lengths: list[int] = field(default_factory=list)  # K used by each round (auto K shows its choices)
     lossy_rules: list[str] = field(default_factory=list)  # names of lossy acceptance rules used (asked for)
+    drafter: dict | None = None  # what the assistant ran on and holds (Assistant.report)
     forward: dict | None = None  # who ran the target's forwards (hf_kvspec.forward: "fast" with its packed bytes)
     kernels: dict | None = None  # decode kernels' report (bytes held, kernel per row bucket), None when off
     attention: str | None = None  # the target's attention for the call when it was switched (call_attention.py)

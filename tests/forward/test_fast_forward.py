@@ -16,6 +16,7 @@ import hf_kvspec
 from hf_kvspec.forward import runner
 from hf_kvspec.forward.packed import unsupported_reason
 from hf_kvspec.forward.runner import EagerForward, FastForward, choose_forward
+from hf_kvspec.kernels.ops import onednn_available
 from tests.tiny_models import left_padded_batch, tiny_model
 
 ATOL = 1e-4
@@ -97,10 +98,19 @@ def test_the_model_is_left_as_it_was(model):
     assert not any("forward" in vars(m) for m in model.modules())
 
 
-def test_packed_bytes_are_one_copy_of_every_linear_weight(model):
+def test_packed_bytes_are_one_copy_then_a_blocked_one_after_several_rows():
+    model = tiny_model("llama", seed=5)
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    expected = sum(p.numel() * 4 for m in linears for p in m.parameters(recurse=False))
-    assert FastForward(model).report()["packed_bytes"] == expected
+    one_copy = sum(p.numel() * 4 for m in linears for p in m.parameters(recurse=False))
+    fast = FastForward(model)
+    assert fast.report()["packed_bytes"] == one_copy  # nothing ran yet: the transposed copies only
+    with torch.inference_mode():
+        fast(dict(input_ids=torch.tensor([[4]])), None)
+        assert fast.report()["packed_bytes"] == one_copy  # one row reads the transposed copies
+        fast(dict(input_ids=torch.tensor([[4, 5, 6]])), None)
+    weights = sum(m.weight.numel() * 4 for m in linears)
+    assert fast.report()["packed_bytes"] == one_copy + (weights if onednn_available() else 0)
+    assert runner.release_packed_weights(model) == fast.report()["packed_bytes"]
 
 
 def test_a_changed_weight_is_repacked():

@@ -229,6 +229,11 @@ class Assistant(abc.ABC):
     def end(self) -> None:  # noqa: B027 - optional hook, stateless drafters keep the no-op
         """Called once when the ``generate`` call finishes: drop per-call state (caches)."""
 
+    def report(self) -> dict | None:
+        """What the drafter ran on and holds (e.g. its forward and the bytes of its weight copies), recorded in
+        ``output.acceptance.drafter``; None when there is nothing to say."""
+        return None
+
 
 class PlainDecoding(Assistant):
     """Drafts nothing: ``speculative_generate(assistant=None)`` decodes one token per round through the same loop

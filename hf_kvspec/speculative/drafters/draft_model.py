@@ -39,9 +39,10 @@ class DraftModelAssistant(Assistant):
     can_drop_rows = True
 
     def __init__(self, draft_model, num_draft_tokens: int | str = 4, max_draft_tokens: int = 16,
-                 sample_drafts: bool = True):
+                 sample_drafts: bool = True, fast_forward: bool | None = None, draft_weights: str = "fp32"):
         super().__init__(num_draft_tokens, max_draft_tokens)
         self.sample_drafts = sample_drafts
+        self.fast_forward, self.draft_weights = fast_forward, draft_weights
         if not isinstance(draft_model, torch.nn.Module) or not hasattr(draft_model, "config"):
             raise TypeError(f"draft_model must be a loaded transformers causal LM, got {type(draft_model).__name__}; "
                             "load one with AutoModelForCausalLM.from_pretrained(...), or pass a spec such as "
@@ -49,6 +50,7 @@ class DraftModelAssistant(Assistant):
         if getattr(draft_model.config, "is_encoder_decoder", False):
             raise ValueError("DraftModelAssistant needs a decoder-only causal LM as draft model.")
         self.model = draft_model.eval()
+        self.forward = None  # the draft model's forward for a call (hf_kvspec.forward: fast where it applies)
         self.cache = None
         self.cached = 0  # buffer columns held by the draft cache
         self.target_vocab = None
@@ -60,6 +62,7 @@ class DraftModelAssistant(Assistant):
         super().begin(target, buffer, target_hidden)
         self.cache = DynamicCache(config=self.model.config)
         self.sliding = prepare_for_rollback(self.cache)
+        self.forward = self._draft_forward()
         self.cached = 0
         self.target_vocab = target.get_output_embeddings().out_features
         draft_vocab = self.model.get_output_embeddings().out_features
@@ -67,8 +70,19 @@ class DraftModelAssistant(Assistant):
             raise ValueError(f"draft vocabulary ({draft_vocab}) does not match the target's ({self.target_vocab}); "
                              "DraftModelAssistant needs a draft model with the same tokenizer.")
 
+    def _draft_forward(self):
+        from hf_kvspec.forward.runner import FastForward, choose_forward
+
+        if self.draft_weights != "fp32":
+            return FastForward(self.model, weights=self.draft_weights)
+        forward = choose_forward(self.model, self.fast_forward)
+        return forward if forward.supports(self.cache) else choose_forward(self.model, False)
+
     def kernel_modules(self) -> tuple:
         return (self.model,)
+
+    def report(self) -> dict | None:
+        return None if self.forward is None else self.forward.report()
 
     def propose(self, ctx: DraftContext) -> DraftProposal:
         buffer, count = ctx.buffer, ctx.num_draft_tokens
@@ -92,9 +106,9 @@ class DraftModelAssistant(Assistant):
 
     def _forward(self, ids: torch.Tensor, attention_mask, positions: torch.Tensor) -> torch.Tensor:
         """Draft logits [B, 1, V_target] of the last fed token."""
-        out = self.model(input_ids=self._draft_ids(ids), attention_mask=attention_mask, position_ids=positions,
-                         cache=self.cache, use_cache=True, logits_to_keep=1)
-        logits = out.logits
+        inputs = dict(input_ids=self._draft_ids(ids), attention_mask=attention_mask, position_ids=positions,
+                      logits_to_keep=1)
+        logits, _, self.cache = self.forward(inputs, self.cache)
         vocab = logits.shape[-1]
         if vocab > self.target_vocab:
             logits = logits[..., : self.target_vocab]
