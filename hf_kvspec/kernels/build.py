@@ -1,0 +1,150 @@
+"""Compile-once loading of the package's C kernels (``qgemv.c``) through ctypes.
+
+Boundary: turns a C source shipped in the package into a loaded ``ctypes.CDLL``; knows nothing about tensors or
+quantization (``quantized.py`` owns the calls). The shared library is built at first use with the system C
+compiler into ``<hf_kvspec cache>/kernels/<name>-<key>.so``, where the key hashes the source, the compiler flags,
+the compiler's version and the CPU's model and flags, so a change to any of them builds afresh and a later process
+only loads the file. The build writes to a temporary file and renames it into place (atomic on POSIX), so two
+processes that build at once never load a half-written library. A file that fails to load (truncated, corrupt) is
+built again once.
+
+Flags: ``-O3 -fPIC -shared``, plus ``-mavx2 -mfma -mf16c`` only when ``/proc/cpuinfo`` lists all three (the
+vector path); otherwise the portable scalar path. ``-march=native`` is avoided so the key alone says what the code
+may use.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+SOURCE_DIR = Path(__file__).resolve().parent
+BASE_FLAGS = ("-O3", "-fPIC", "-shared", "-std=c11")
+VECTOR_FLAGS = ("-mavx2", "-mfma", "-mf16c")
+#: the C source's ``QK_ABI_VERSION``: a loaded library reporting another value is rebuilt
+ABI_VERSION = 1
+
+
+class KernelBuildError(RuntimeError):
+    """The C kernels cannot be built or loaded here; the message names the fix."""
+
+
+@dataclass(frozen=True)
+class BuildPlan:
+    """What to compile and where the result lives."""
+
+    source: Path
+    compiler: str
+    flags: tuple[str, ...]
+    output: Path
+
+
+def cpu_flags() -> frozenset[str]:
+    """The CPU feature flags of ``/proc/cpuinfo`` (empty where there is none, e.g. macOS)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return frozenset()
+    for line in text.splitlines():
+        if line.startswith(("flags", "Features")):
+            return frozenset(line.split(":", 1)[1].split())
+    return frozenset()
+
+
+def compile_flags(flags: frozenset[str]) -> tuple[str, ...]:
+    vector = {"avx2", "fma", "f16c"} <= flags
+    return BASE_FLAGS + (VECTOR_FLAGS if vector else ())
+
+
+def find_compiler() -> str | None:
+    return shutil.which("gcc") or shutil.which("cc")
+
+
+def _cpu_identity() -> str:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return sys.platform
+    model = next((line for line in text.splitlines() if line.startswith("model name")), "")
+    return model + " " + " ".join(sorted(cpu_flags()))
+
+
+def _compiler_version(compiler: str) -> str:
+    result = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=False)
+    return result.stdout.splitlines()[0] if result.stdout else compiler
+
+
+def plan_build(name: str, cache_root: Path, compiler: str | None = None) -> BuildPlan:
+    """The build of ``<name>.c`` for this machine; raises ``KernelBuildError`` when no compiler is found."""
+    compiler = compiler or find_compiler()
+    if compiler is None:
+        raise KernelBuildError(
+            f"hf_kvspec's quantized kernels are compiled from C at first use, but no C compiler (gcc or cc) is on "
+            f"PATH. Install one (e.g. `apt-get install gcc`, `conda install gxx`, Xcode command line tools), or "
+            f"use the pure-torch reference: F.linear(x, dequantize(qweight), bias).")
+    source = SOURCE_DIR / f"{name}.c"
+    flags = compile_flags(cpu_flags())
+    digest = hashlib.sha256()
+    for part in (source.read_bytes(), " ".join(flags).encode(), _compiler_version(compiler).encode(),
+                 _cpu_identity().encode()):
+        digest.update(part)
+        digest.update(b"\0")
+    output = cache_root / "kernels" / f"{name}-{digest.hexdigest()[:16]}.so"
+    return BuildPlan(source, compiler, flags, output)
+
+
+def compile_library(plan: BuildPlan) -> None:
+    """Compile ``plan.source`` to ``plan.output`` via a temporary file renamed into place."""
+    plan.output.parent.mkdir(parents=True, exist_ok=True)
+    print(f"hf_kvspec: compiling the quantized kernels {plan.source.name} (once per machine)...", file=sys.stderr,
+          flush=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", prefix=f".{plan.output.stem}-", dir=plan.output.parent)
+    os.close(fd)
+    try:
+        command = [plan.compiler, *plan.flags, str(plan.source), "-o", tmp]
+        result = subprocess.run(command, capture_output=True, text=True, check=False)
+        if result.returncode != 0:
+            raise KernelBuildError(f"compiling {plan.source} failed ({' '.join(command)}):\n{result.stderr}")
+        os.replace(tmp, plan.output)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _open(path: Path) -> ctypes.CDLL | None:
+    """The library at ``path`` if it loads and reports this ABI version, else None."""
+    try:
+        library = ctypes.CDLL(str(path))
+        library.qk_abi_version.restype = ctypes.c_int
+        return library if library.qk_abi_version() == ABI_VERSION else None
+    except (OSError, AttributeError):
+        return None
+
+
+def load_library(plan: BuildPlan) -> ctypes.CDLL:
+    """Load ``plan.output``, compiling it first when missing or unloadable (a corrupt file is rebuilt once)."""
+    if plan.output.exists():
+        library = _open(plan.output)
+        if library is not None:
+            return library
+        plan.output.unlink(missing_ok=True)
+    compile_library(plan)
+    library = _open(plan.output)
+    if library is None:
+        raise KernelBuildError(f"{plan.output} was just built but does not load; delete it and retry, or report "
+                               f"the compiler ({plan.compiler}) and flags {plan.flags}.")
+    return library
+
+
+@functools.cache
+def shared_library(name: str, cache_root: Path) -> ctypes.CDLL:
+    """The loaded ``<name>.c`` library for this process (built at most once per machine)."""
+    return load_library(plan_build(name, cache_root))
