@@ -5,8 +5,9 @@ quantization (``quantized.py`` owns the calls). The shared library is built at f
 compiler into ``<hf_kvspec cache>/kernels/<name>-<key>.so``, where the key hashes the source, the compiler flags,
 the compiler's version and the CPU's model and flags, so a change to any of them builds afresh and a later process
 only loads the file. The build writes to a temporary file and renames it into place (atomic on POSIX), so two
-processes that build at once never load a half-written library. A file that fails to load (truncated, corrupt) is
-built again once.
+processes that build at once never load a half-written library. Beside it, ``<...>.so.sha256`` records the
+library's checksum, checked before every load: a truncated or altered file is rebuilt, never mapped (``dlopen`` of
+a truncated ELF file can kill the process with SIGBUS).
 
 Flags: ``-O3 -fPIC -shared``, plus ``-mavx2 -mfma -mf16c`` only when ``/proc/cpuinfo`` lists all three (the
 vector path); otherwise the portable scalar path. ``-march=native`` is avoided so the key alone says what the code
@@ -82,16 +83,18 @@ def _compiler_version(compiler: str) -> str:
     return result.stdout.splitlines()[0] if result.stdout else compiler
 
 
-def plan_build(name: str, cache_root: Path, compiler: str | None = None) -> BuildPlan:
-    """The build of ``<name>.c`` for this machine; raises ``KernelBuildError`` when no compiler is found."""
+def plan_build(name: str, cache_root: Path, compiler: str | None = None,
+               flags: tuple[str, ...] | None = None) -> BuildPlan:
+    """The build of ``<name>.c`` for this machine (``flags``: default ``compile_flags(cpu_flags())``); raises
+    ``KernelBuildError`` when no compiler is found."""
     compiler = compiler or find_compiler()
     if compiler is None:
         raise KernelBuildError(
-            f"hf_kvspec's quantized kernels are compiled from C at first use, but no C compiler (gcc or cc) is on "
-            f"PATH. Install one (e.g. `apt-get install gcc`, `conda install gxx`, Xcode command line tools), or "
-            f"use the pure-torch reference: F.linear(x, dequantize(qweight), bias).")
+            "hf_kvspec's quantized kernels are compiled from C at first use, but no C compiler (gcc or cc) is on "
+            "PATH. Install one (e.g. `apt-get install gcc`, `conda install gxx`, Xcode command line tools), or "
+            "use the pure-torch reference: F.linear(x, dequantize(qweight), bias).")
     source = SOURCE_DIR / f"{name}.c"
-    flags = compile_flags(cpu_flags())
+    flags = compile_flags(cpu_flags()) if flags is None else flags
     digest = hashlib.sha256()
     for part in (source.read_bytes(), " ".join(flags).encode(), _compiler_version(compiler).encode(),
                  _cpu_identity().encode()):
@@ -101,22 +104,48 @@ def plan_build(name: str, cache_root: Path, compiler: str | None = None) -> Buil
     return BuildPlan(source, compiler, flags, output)
 
 
+def _checksum_path(output: Path) -> Path:
+    return output.with_name(output.name + ".sha256")
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _write_atomically(target: Path, write) -> None:
+    """``write(tmp_path)`` then rename the temporary file onto ``target``."""
+    fd, tmp = tempfile.mkstemp(suffix=target.suffix, prefix=f".{target.name}-", dir=target.parent)
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
 def compile_library(plan: BuildPlan) -> None:
-    """Compile ``plan.source`` to ``plan.output`` via a temporary file renamed into place."""
+    """Compile ``plan.source`` to ``plan.output`` (and its checksum file), each renamed into place."""
     plan.output.parent.mkdir(parents=True, exist_ok=True)
     print(f"hf_kvspec: compiling the quantized kernels {plan.source.name} (once per machine)...", file=sys.stderr,
           flush=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", prefix=f".{plan.output.stem}-", dir=plan.output.parent)
-    os.close(fd)
-    try:
+
+    def build(tmp: str) -> None:
         command = [plan.compiler, *plan.flags, str(plan.source), "-o", tmp]
         result = subprocess.run(command, capture_output=True, text=True, check=False)
         if result.returncode != 0:
             raise KernelBuildError(f"compiling {plan.source} failed ({' '.join(command)}):\n{result.stderr}")
-        os.replace(tmp, plan.output)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        _write_atomically(_checksum_path(plan.output), lambda side: Path(side).write_text(_sha256(Path(tmp))))
+
+    _write_atomically(plan.output, build)
+
+
+def _intact(output: Path) -> bool:
+    """True when ``output`` exists and matches the checksum recorded when it was built."""
+    try:
+        return _checksum_path(output).read_text().strip() == _sha256(output)
+    except OSError:
+        return False
 
 
 def _open(path: Path) -> ctypes.CDLL | None:
@@ -130,12 +159,12 @@ def _open(path: Path) -> ctypes.CDLL | None:
 
 
 def load_library(plan: BuildPlan) -> ctypes.CDLL:
-    """Load ``plan.output``, compiling it first when missing or unloadable (a corrupt file is rebuilt once)."""
-    if plan.output.exists():
+    """Load ``plan.output``, compiling it first when missing, altered or unloadable (then rebuilt once)."""
+    if _intact(plan.output):
         library = _open(plan.output)
         if library is not None:
             return library
-        plan.output.unlink(missing_ok=True)
+    plan.output.unlink(missing_ok=True)
     compile_library(plan)
     library = _open(plan.output)
     if library is None:

@@ -198,7 +198,11 @@ def dequantize(qweight: QuantizedWeight) -> torch.Tensor:
 def _kernels() -> ctypes.CDLL:
     from hf_kvspec.models import cache_dir
 
-    library = shared_library("qgemv", cache_dir())
+    return _declare(shared_library("qgemv", cache_dir()))
+
+
+def _declare(library: ctypes.CDLL) -> ctypes.CDLL:
+    """Set the argument types of ``qgemv.c``'s entry points on ``library`` (pointers and int64 sizes)."""
     pointer, size = ctypes.c_void_p, ctypes.c_int64
     library.qk_int8_gemm.argtypes = [pointer, size, size, pointer, pointer, pointer, size, pointer]
     library.qk_int4_gemm.argtypes = [pointer, size, size, pointer, pointer, pointer, size, pointer, size, pointer]
@@ -237,16 +241,21 @@ def qlinear(x: torch.Tensor, qweight: QuantizedWeight, bias: torch.Tensor | None
     No autograd (the output does not require grad). Raises ``KernelBuildError`` when the kernel cannot be built.
     """
     _check_call(x, qweight, bias)
+    return _launch(_kernels(), x, qweight, bias)
+
+
+def _launch(library: ctypes.CDLL, x: torch.Tensor, qweight: QuantizedWeight, bias: torch.Tensor | None
+            ) -> torch.Tensor:
+    """Run ``library``'s kernel on checked arguments: x [R, I] -> [R, O]."""
     rows, (out_features, in_features) = x.shape[0], qweight.shape
     out = torch.empty(rows, out_features, dtype=torch.float32)
     if rows == 0:
         return out
     bias_ptr = None if bias is None else bias.data_ptr()
     if qweight.bits == 8:
-        _kernels().qk_int8_gemm(x.data_ptr(), rows, in_features, qweight.codes.data_ptr(),
-                                qweight.scales.data_ptr(), bias_ptr, out_features, out.data_ptr())
+        library.qk_int8_gemm(x.data_ptr(), rows, in_features, qweight.codes.data_ptr(), qweight.scales.data_ptr(),
+                             bias_ptr, out_features, out.data_ptr())
     else:
-        _kernels().qk_int4_gemm(x.data_ptr(), rows, in_features, qweight.codes.data_ptr(),
-                                qweight.scales.data_ptr(), qweight.offsets.data_ptr(), qweight.group_size, bias_ptr,
-                                out_features, out.data_ptr())
+        library.qk_int4_gemm(x.data_ptr(), rows, in_features, qweight.codes.data_ptr(), qweight.scales.data_ptr(),
+                             qweight.offsets.data_ptr(), qweight.group_size, bias_ptr, out_features, out.data_ptr())
     return out
