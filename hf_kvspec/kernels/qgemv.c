@@ -105,8 +105,8 @@ INLINE void i4_widen(const uint8_t *p, __m256 q[4]) {
 }
 
 /* int4, one activation row: sum_i (q s + m) x = sum_g s_g (sum_{i in g} q x) + sum_g m_g xsum_g, so the codes meet
- * x undequantized and each group's scale is applied once to its partial sums; two partial sums per output row
- * keep 8 independent FMA chains. */
+ * x undequantized and each group's scale is applied once to its partial sums (one FMA chain per output row: more
+ * chains spill registers, which measured slower). */
 INLINE void i4_tile_row(const float *x, const uint8_t *block, const uint16_t *scales, const uint16_t *offsets,
                         int64_t G, int64_t group, const float *xsum, const float *bias, int64_t O, float *out,
                         int64_t o0) {
@@ -114,17 +114,17 @@ INLINE void i4_tile_row(const float *x, const uint8_t *block, const uint16_t *sc
     __m128 offset_sum = _mm_setzero_ps();
     for (int a = 0; a < 4; a++) acc[a] = _mm256_setzero_ps();
     for (int64_t g = 0; g < G; g++) {
-        __m256 dot[4][2];
-        for (int a = 0; a < 4; a++) dot[a][0] = dot[a][1] = _mm256_setzero_ps();
+        __m256 dot[4];
+        for (int a = 0; a < 4; a++) dot[a] = _mm256_setzero_ps();
         for (int64_t i = g * group; i < (g + 1) * group; i += 32) {
             const uint8_t *p = block + 2 * i;  /* 4 rows x 16 bytes per 32 inputs */
             for (int a = 0; a < 4; a++) {
                 __m256 q[4];
                 i4_widen(p + 16 * a, q);
-                dot[a][0] = _mm256_fmadd_ps(q[0], _mm256_loadu_ps(x + i), dot[a][0]);
-                dot[a][1] = _mm256_fmadd_ps(q[1], _mm256_loadu_ps(x + i + 8), dot[a][1]);
-                dot[a][0] = _mm256_fmadd_ps(q[2], _mm256_loadu_ps(x + i + 16), dot[a][0]);
-                dot[a][1] = _mm256_fmadd_ps(q[3], _mm256_loadu_ps(x + i + 24), dot[a][1]);
+                dot[a] = _mm256_fmadd_ps(q[0], _mm256_loadu_ps(x + i), dot[a]);
+                dot[a] = _mm256_fmadd_ps(q[1], _mm256_loadu_ps(x + i + 8), dot[a]);
+                dot[a] = _mm256_fmadd_ps(q[2], _mm256_loadu_ps(x + i + 16), dot[a]);
+                dot[a] = _mm256_fmadd_ps(q[3], _mm256_loadu_ps(x + i + 24), dot[a]);
             }
         }
         float s[4];
@@ -132,7 +132,7 @@ INLINE void i4_tile_row(const float *x, const uint8_t *block, const uint16_t *sc
         __m128 m = _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)(offsets + 4 * g)));
         offset_sum = _mm_fmadd_ps(m, _mm_set1_ps(xsum[g]), offset_sum);
         for (int a = 0; a < 4; a++)
-            acc[a] = _mm256_fmadd_ps(_mm256_add_ps(dot[a][0], dot[a][1]), _mm256_set1_ps(s[a]), acc[a]);
+            acc[a] = _mm256_fmadd_ps(dot[a], _mm256_set1_ps(s[a]), acc[a]);
     }
     float off[4];
     _mm_storeu_ps(off, offset_sum);
