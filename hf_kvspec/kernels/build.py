@@ -31,7 +31,7 @@ SOURCE_DIR = Path(__file__).resolve().parent
 BASE_FLAGS = ("-O3", "-fPIC", "-shared", "-std=c11")
 VECTOR_FLAGS = ("-mavx2", "-mfma", "-mf16c")
 #: the C source's ``QK_ABI_VERSION``: a loaded library reporting another value is rebuilt
-ABI_VERSION = 1
+ABI_VERSION = 2
 
 
 class KernelBuildError(RuntimeError):

@@ -12,10 +12,13 @@
  *        W[o, i] = q(o, i) * scale(o, g) + offset(o, g), g = i / group, q in 0..15, where in each block of 32
  *        inputs (16 bytes per row) byte j holds input j in its low nibble and input j + 16 in its high one.
  *
- * Accumulation is fp32 throughout. int8: a row's scale is applied once to its sum. int4 with one activation row:
- * the codes meet x as they are and each group's scale and offset are applied to its partial sums; with several
- * rows a weight is dequantized in registers (one fused multiply-add) and then meets every row. All R activation
- * rows run against a block of 4 output rows while it sits in L1, so the weights are read from memory once.
+ * Accumulation is fp32 throughout; a row's int8 scale is applied once to its sum. One activation row: the codes
+ * are widened in registers and meet x directly (int4: each group's scale and offset are applied to its partial
+ * sums). Several rows: all of them run against a block of 4 output rows while it sits in L1, so the weights are
+ * read from memory once; int8 codes are widened again per chunk of 3 rows, int4 codes (dearer to unpack) are
+ * dequantized once per block into an fp32 scratch when there is more than one chunk. Which path wins was measured
+ * (scripts/benchmark.py qgemv).
+ * Entry points return 0, or -1 when the scratch cannot be allocated.
  *
  * Built with -mavx2 -mfma -mf16c when the CPU has them (the vector path), else as portable C (the scalar path).
  */
@@ -23,7 +26,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define QK_ABI_VERSION 1
+#define QK_ABI_VERSION 2
 
 int qk_abi_version(void) { return QK_ABI_VERSION; }
 
@@ -81,8 +84,73 @@ INLINE void i8_tile(const int RB, const float *x, int64_t I, const int8_t *block
             out[(r0 + b) * O + o0 + a] = hsum8(acc[a][b]) * scales[o0 + a] + (bias ? bias[o0 + a] : 0.0f);
 }
 
-void qk_int8_gemm(const float *x, int64_t R, int64_t I, const int8_t *codes, const float *scales,
-                  const float *bias, int64_t O, float *out) {
+/* int4 with more rows than one tile: a block's weights are dequantized once into an fp32 scratch [I / 8][4][8]
+ * (in L1), then every RB-row chunk of x runs against it, so the unpacking is not repeated per chunk (int8's
+ * widening is cheaper than the scratch's stores and loads: measured, so int8 widens per chunk). acc += w * x. */
+INLINE void f32_tile(const int RB, const float *x, int64_t I, const float *scratch, __m256 acc[4][RB_MAX],
+                     int64_t r0) {
+    for (int a = 0; a < 4; a++)
+        for (int b = 0; b < RB; b++) acc[a][b] = _mm256_setzero_ps();
+    const int64_t full = I / 8, rest = I % 8;
+    for (int64_t c = 0; c < full; c++) {
+        __m256 xv[RB_MAX];
+        for (int b = 0; b < RB; b++) xv[b] = _mm256_loadu_ps(x + (r0 + b) * I + 8 * c);
+        for (int a = 0; a < 4; a++) {
+            const __m256 w = _mm256_load_ps(scratch + 32 * c + 8 * a);
+            for (int b = 0; b < RB; b++) acc[a][b] = _mm256_fmadd_ps(w, xv[b], acc[a][b]);
+        }
+    }
+    if (rest) {  /* the partial chunk: activations copied into zero-padded rows (the scratch is zero there) */
+        __m256 xv[RB_MAX];
+        for (int b = 0; b < RB; b++) {
+            float tail[8] = {0};
+            memcpy(tail, x + (r0 + b) * I + 8 * full, rest * sizeof(float));
+            xv[b] = _mm256_loadu_ps(tail);
+        }
+        for (int a = 0; a < 4; a++) {
+            const __m256 w = _mm256_load_ps(scratch + 32 * full + 8 * a);
+            for (int b = 0; b < RB; b++) acc[a][b] = _mm256_fmadd_ps(w, xv[b], acc[a][b]);
+        }
+    }
+}
+
+/* out[r, o0 + a] = sum(acc[a][b]) * scale[a] + bias for r = r0 + b (scale NULL: 1) */
+INLINE void store_tile(const int RB, __m256 acc[4][RB_MAX], const float *scales, const float *bias, int64_t O,
+                       float *out, int64_t o0, int64_t r0) {
+    for (int a = 0; a < 4 && o0 + a < O; a++)
+        for (int b = 0; b < RB; b++) {
+            const float sum = hsum8(acc[a][b]);
+            out[(r0 + b) * O + o0 + a] = (scales ? sum * scales[o0 + a] : sum) + (bias ? bias[o0 + a] : 0.0f);
+        }
+}
+
+/* every RB_MAX-row chunk of x (then the 1 or 2 left) against the scratch of output rows o0..o0+3 */
+static void scratch_rows(const float *x, int64_t R, int64_t I, const float *scratch, const float *scales,
+                         const float *bias, int64_t O, float *out, int64_t o0) {
+    __m256 acc[4][RB_MAX];
+    int64_t r0 = 0;
+    for (; r0 + RB_MAX <= R; r0 += RB_MAX) {
+        f32_tile(RB_MAX, x, I, scratch, acc, r0);
+        store_tile(RB_MAX, acc, scales, bias, O, out, o0, r0);
+    }
+    if (R - r0 == 2) {
+        f32_tile(2, x, I, scratch, acc, r0);
+        store_tile(2, acc, scales, bias, O, out, o0, r0);
+    } else if (R - r0 == 1) {
+        f32_tile(1, x, I, scratch, acc, r0);
+        store_tile(1, acc, scales, bias, O, out, o0, r0);
+    }
+}
+
+static float *scratch_alloc(int64_t I) {  /* [ceil(I / 8)][4][8] floats, 32-byte aligned, zeroed */
+    const size_t bytes = (size_t)((I + 7) / 8) * 32 * sizeof(float);
+    float *scratch = (float *)aligned_alloc(32, bytes);
+    if (scratch) memset(scratch, 0, bytes);
+    return scratch;
+}
+
+int qk_int8_gemm(const float *x, int64_t R, int64_t I, const int8_t *codes, const float *scales,
+                 const float *bias, int64_t O, float *out) {
     const int64_t block_bytes = 4 * 8 * ((I + 7) / 8);
     for (int64_t o0 = 0; o0 < O; o0 += 4) {
         const int8_t *block = codes + (o0 / 4) * block_bytes;
@@ -91,6 +159,7 @@ void qk_int8_gemm(const float *x, int64_t R, int64_t I, const int8_t *codes, con
         if (R - r0 == 2) i8_tile(2, x, I, block, scales, bias, O, out, o0, r0);
         if (R - r0 == 1) i8_tile(1, x, I, block, scales, bias, O, out, o0, r0);
     }
+    return 0;
 }
 
 /* int4 codes of one row in a 32-input block (16 bytes) -> 4 vectors of 8 codes, for inputs +0, +8, +16, +24 */
@@ -139,7 +208,7 @@ INLINE void i4_tile_row(const float *x, const uint8_t *block, const uint16_t *sc
     for (int a = 0; a < 4 && o0 + a < O; a++) out[o0 + a] = hsum8(acc[a]) + off[a] + (bias ? bias[o0 + a] : 0.0f);
 }
 
-/* int4, RB activation rows: each weight is dequantized once in registers (q * s + m) and meets RB rows */
+/* int4, 2-3 activation rows: each weight is dequantized in registers (q * s + m) and meets those rows */
 INLINE void i4_tile(const int RB, const float *x, int64_t I, const uint8_t *block, const uint16_t *scales,
                     const uint16_t *offsets, int64_t G, int64_t group, const float *bias, int64_t O, float *out,
                     int64_t o0, int64_t r0) {
@@ -169,11 +238,30 @@ INLINE void i4_tile(const int RB, const float *x, int64_t I, const uint8_t *bloc
         for (int b = 0; b < RB; b++) out[(r0 + b) * O + o0 + a] = hsum8(acc[a][b]) + (bias ? bias[o0 + a] : 0.0f);
 }
 
-void qk_int4_gemm(const float *x, int64_t R, int64_t I, const uint8_t *codes, const uint16_t *scales,
-                  const uint16_t *offsets, int64_t group, const float *bias, int64_t O, float *out) {
+/* int4 block of 4 output rows -> fp32 scratch [I / 8][4][8]: w = q * s + m (one rounding) */
+INLINE void i4_dequantize_block(const uint8_t *block, const uint16_t *scales, const uint16_t *offsets, int64_t G,
+                                int64_t group, float *scratch) {
+    for (int64_t g = 0; g < G; g++) {
+        float s[4], m[4];
+        _mm_storeu_ps(s, _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)(scales + 4 * g))));
+        _mm_storeu_ps(m, _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)(offsets + 4 * g))));
+        for (int64_t i = g * group; i < (g + 1) * group; i += 32)
+            for (int a = 0; a < 4; a++) {
+                __m256 q[4];
+                i4_widen(block + 2 * i + 16 * a, q);
+                for (int k = 0; k < 4; k++)  /* q[k] holds inputs i + 8k .. i + 8k + 7 */
+                    _mm256_store_ps(scratch + 4 * (i + 8 * k) + 8 * a,
+                                    _mm256_fmadd_ps(q[k], _mm256_set1_ps(s[a]), _mm256_set1_ps(m[a])));
+            }
+    }
+}
+
+int qk_int4_gemm(const float *x, int64_t R, int64_t I, const uint8_t *codes, const uint16_t *scales,
+                 const uint16_t *offsets, int64_t group, const float *bias, int64_t O, float *out) {
     const int64_t G = I / group;
     if (R == 1) {
         float stack_sums[1024], *xsum = G <= 1024 ? stack_sums : (float *)malloc(G * sizeof(float));
+        if (!xsum) return -1;
         for (int64_t g = 0; g < G; g++) {
             float sum = 0.0f;
             for (int64_t i = g * group; i < (g + 1) * group; i++) sum += x[i];
@@ -183,16 +271,24 @@ void qk_int4_gemm(const float *x, int64_t R, int64_t I, const uint8_t *codes, co
             i4_tile_row(x, codes + o0 * (I / 2), scales + o0 * G, offsets + o0 * G, G, group, xsum, bias, O, out,
                         o0);
         if (xsum != stack_sums) free(xsum);
-        return;
+        return 0;
     }
+    if (R <= RB_MAX) {  /* one chunk of rows: a scratch would only add its stores and loads */
+        for (int64_t o0 = 0; o0 < O; o0 += 4) {
+            const uint8_t *block = codes + o0 * (I / 2);
+            if (R == 3) i4_tile(3, x, I, block, scales + o0 * G, offsets + o0 * G, G, group, bias, O, out, o0, 0);
+            else i4_tile(2, x, I, block, scales + o0 * G, offsets + o0 * G, G, group, bias, O, out, o0, 0);
+        }
+        return 0;
+    }
+    float *scratch = scratch_alloc(I);
+    if (!scratch) return -1;
     for (int64_t o0 = 0; o0 < O; o0 += 4) {
-        const uint8_t *block = codes + o0 * (I / 2);
-        const uint16_t *s = scales + o0 * G, *m = offsets + o0 * G;
-        int64_t r0 = 0;
-        for (; r0 + RB_MAX <= R; r0 += RB_MAX) i4_tile(RB_MAX, x, I, block, s, m, G, group, bias, O, out, o0, r0);
-        if (R - r0 == 2) i4_tile(2, x, I, block, s, m, G, group, bias, O, out, o0, r0);
-        if (R - r0 == 1) i4_tile(1, x, I, block, s, m, G, group, bias, O, out, o0, r0);
+        i4_dequantize_block(codes + o0 * (I / 2), scales + o0 * G, offsets + o0 * G, G, group, scratch);
+        scratch_rows(x, R, I, scratch, NULL, bias, O, out, o0);
     }
+    free(scratch);
+    return 0;
 }
 
 #else /* portable scalar path */
@@ -223,7 +319,7 @@ INLINE_SCALAR int64_t i8_index(int64_t o, int64_t i, int64_t I) {
     return ((o / 4) * ((I + 7) / 8) + i / 8) * 32 + (o % 4) * 8 + i % 8;
 }
 
-void qk_int8_gemm(const float *x, int64_t R, int64_t I, const int8_t *codes, const float *scales,
+int qk_int8_gemm(const float *x, int64_t R, int64_t I, const int8_t *codes, const float *scales,
                   const float *bias, int64_t O, float *out) {
     for (int64_t o = 0; o < O; o++)
         for (int64_t r = 0; r < R; r++) {
@@ -231,6 +327,7 @@ void qk_int8_gemm(const float *x, int64_t R, int64_t I, const int8_t *codes, con
             for (int64_t i = 0; i < I; i++) sum += (float)codes[i8_index(o, i, I)] * x[r * I + i];
             out[r * O + o] = sum * scales[o] + (bias ? bias[o] : 0.0f);
         }
+    return 0;
 }
 
 INLINE_SCALAR int i4_code(const uint8_t *codes, int64_t o, int64_t i, int64_t I) {
@@ -238,7 +335,7 @@ INLINE_SCALAR int i4_code(const uint8_t *codes, int64_t o, int64_t i, int64_t I)
     return (i % 32) < 16 ? (byte & 0x0F) : (byte >> 4);
 }
 
-void qk_int4_gemm(const float *x, int64_t R, int64_t I, const uint8_t *codes, const uint16_t *scales,
+int qk_int4_gemm(const float *x, int64_t R, int64_t I, const uint8_t *codes, const uint16_t *scales,
                   const uint16_t *offsets, int64_t group, const float *bias, int64_t O, float *out) {
     const int64_t G = I / group;
     for (int64_t o = 0; o < O; o++)
@@ -251,6 +348,7 @@ void qk_int4_gemm(const float *x, int64_t R, int64_t I, const uint8_t *codes, co
             }
             out[r * O + o] = sum + (bias ? bias[o] : 0.0f);
         }
+    return 0;
 }
 
 #endif

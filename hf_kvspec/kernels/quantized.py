@@ -206,7 +206,7 @@ def _declare(library: ctypes.CDLL) -> ctypes.CDLL:
     pointer, size = ctypes.c_void_p, ctypes.c_int64
     library.qk_int8_gemm.argtypes = [pointer, size, size, pointer, pointer, pointer, size, pointer]
     library.qk_int4_gemm.argtypes = [pointer, size, size, pointer, pointer, pointer, size, pointer, size, pointer]
-    library.qk_int8_gemm.restype = library.qk_int4_gemm.restype = None
+    library.qk_int8_gemm.restype = library.qk_int4_gemm.restype = ctypes.c_int
     return library
 
 
@@ -220,8 +220,14 @@ def available() -> bool:
 
 
 def _check_call(x: torch.Tensor, qweight: QuantizedWeight, bias: torch.Tensor | None) -> None:
+    """Raise a ValueError naming the fix unless the call is well-formed (one combined test first: it runs per call)."""
     out_features, in_features = qweight.shape
-    if not isinstance(x, torch.Tensor) or x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2:
+    if (type(x) is torch.Tensor and x.dtype is torch.float32 and x.is_cpu and x.dim() == 2
+            and x.shape[1] == in_features and x.is_contiguous()
+            and (bias is None or (bias.dtype is torch.float32 and bias.is_cpu and bias.shape == (out_features,)
+                                  and bias.is_contiguous()))):
+        return
+    if not isinstance(x, torch.Tensor) or x.dtype != torch.float32 or not x.is_cpu or x.dim() != 2:
         got = f"{type(x).__name__} {getattr(x, 'dtype', '')} {tuple(getattr(x, 'shape', ()))}"
         raise ValueError(f"x must be an fp32 CPU tensor [rows, {in_features}] (flatten leading dims with "
                          f"x.reshape(-1, {in_features}), cast with .float()); got {got}.")
@@ -229,10 +235,8 @@ def _check_call(x: torch.Tensor, qweight: QuantizedWeight, bias: torch.Tensor | 
         raise ValueError(f"x has {x.shape[1]} features but the weight takes {in_features}.")
     if not x.is_contiguous():
         raise ValueError("x must be contiguous: pass x.contiguous().")
-    if bias is not None and (bias.dtype != torch.float32 or bias.device.type != "cpu"
-                             or tuple(bias.shape) != (out_features,) or not bias.is_contiguous()):
-        raise ValueError(f"bias must be a contiguous fp32 CPU tensor [{out_features}]; got {bias.dtype} "
-                         f"{tuple(bias.shape)} (pass bias.float().contiguous()).")
+    raise ValueError(f"bias must be a contiguous fp32 CPU tensor [{out_features}]; got {bias.dtype} "
+                     f"{tuple(bias.shape)} (pass bias.float().contiguous()).")
 
 
 def qlinear(x: torch.Tensor, qweight: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -253,9 +257,12 @@ def _launch(library: ctypes.CDLL, x: torch.Tensor, qweight: QuantizedWeight, bia
         return out
     bias_ptr = None if bias is None else bias.data_ptr()
     if qweight.bits == 8:
-        library.qk_int8_gemm(x.data_ptr(), rows, in_features, qweight.codes.data_ptr(), qweight.scales.data_ptr(),
-                             bias_ptr, out_features, out.data_ptr())
+        status = library.qk_int8_gemm(x.data_ptr(), rows, in_features, qweight.codes.data_ptr(),
+                                      qweight.scales.data_ptr(), bias_ptr, out_features, out.data_ptr())
     else:
-        library.qk_int4_gemm(x.data_ptr(), rows, in_features, qweight.codes.data_ptr(), qweight.scales.data_ptr(),
-                             qweight.offsets.data_ptr(), qweight.group_size, bias_ptr, out_features, out.data_ptr())
+        status = library.qk_int4_gemm(x.data_ptr(), rows, in_features, qweight.codes.data_ptr(),
+                                      qweight.scales.data_ptr(), qweight.offsets.data_ptr(), qweight.group_size,
+                                      bias_ptr, out_features, out.data_ptr())
+    if status != 0:
+        raise MemoryError(f"qlinear could not allocate its {in_features * 16} B scratch")
     return out
