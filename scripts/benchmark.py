@@ -5,6 +5,7 @@ Run from the repository root (after ``make setup`` or ``pip install -e '.[bench]
     python scripts/benchmark.py memory            # KV bytes per config/dtype/bits, formula vs measured
     python scripts/benchmark.py generate          # decode tokens/s of the bundled model, per cache
     python scripts/benchmark.py engine            # serving under arrivals: transformers CB, static batches, Engine
+    python scripts/benchmark.py qgemv             # int8/int4 weight-only GEMV vs fp32 and torch; accuracy
     python scripts/benchmark.py <name> --help     # options of one subcommand
 
 Results land in benchmarks/results/<name>.{json,md,png}.
@@ -30,6 +31,7 @@ SUBCOMMANDS: dict[str, str] = {
     "longctx": "bench.longctx",
     "drafthead": "bench.drafthead",
     "engine": "bench.engine",
+    "qgemv": "bench.qgemv",
 }
 
 
