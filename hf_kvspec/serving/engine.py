@@ -99,7 +99,7 @@ class Engine:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}.")
         register_ragged_attention()
         self.model, self.tokenizer = model, tokenizer
-        num_blocks = RaggedPagedCache.blocks_for(model.config, kv_budget, block_size, model.dtype)
+        num_blocks = RaggedPagedCache.blocks_for(model.config, kv_budget, block_size, model.dtype, model.device)
         self.cache = RaggedPagedCache(model.config, num_blocks, block_size, enable_prefix_caching, model.dtype)
         self.scheduler = Scheduler(self.cache, policy or SchedulingPolicy(), max_tokens_per_round, max_running)
         self.runner = ForwardRunner(model, self.cache)
@@ -419,8 +419,12 @@ class Engine:
         """Yield ``request_id``'s new tokens as rounds produce them (running rounds as needed) until it finishes.
         Other requests advance too; their tokens wait for their own ``stream`` / ``get_output``. Cancelled
         meanwhile (even from inside the loop), it yields a last delta with ``finish_reason`` CANCELLED; failed on
-        its own, it raises ``RequestFailedError``."""
-        request = self._request(request_id)
+        its own, it raises ``RequestFailedError``. An unknown id raises ``KeyError`` here, not at the first
+        ``next``."""
+        return self._stream(self._request(request_id))
+
+    def _stream(self, request: Request) -> Iterator[RequestDelta]:
+        request_id = request.request_id
         while True:
             with self._lock:
                 new = request.output_ids[request.read_cursor:]
