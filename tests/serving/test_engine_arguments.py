@@ -152,3 +152,17 @@ def test_two_threads_stepping_one_engine_take_turns(llama):
         assert engine.get_output(request_id).output_ids == greedy_reference(llama, prompt, 12)
     assert engine.get_output(late).output_ids == greedy_reference(llama, prompts[0], 4)
     assert_pool_full(engine)
+
+
+def test_a_corrupt_plan_file_costs_the_engine_one_warning(llama, tmp_path, monkeypatch):
+    """Issue 40 item 5: ``{"plans": "x"}`` in the cache directory crashed ``Engine`` rounds (AttributeError)."""
+    from hf_kvspec.kernels import trials
+
+    monkeypatch.setenv("HF_KVSPEC_CACHE", str(tmp_path))
+    monkeypatch.setattr(trials, "_WARNED", set())
+    (tmp_path / "decode_kernel_plans.json").write_text('{"plans": "x"}')
+    engine = Engine(llama, kv_budget=32, block_size=4)
+    prompt = random_prompts([6], seed=34)[0]
+    with pytest.warns(RuntimeWarning, match="decode_kernel_plans.json"):
+        output = engine.generate_batch([prompt], progress_bar=False, max_new_tokens=4)[0]
+    assert output.output_ids == greedy_reference(llama, prompt, 4)
