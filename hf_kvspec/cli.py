@@ -418,7 +418,10 @@ def _add_batch(subparsers) -> None:
     p = subparsers.add_parser("batch", help="run a JSON Lines file of prompts through the continuous-batching Engine")
     p.add_argument("prompts", help="JSON Lines: one {\"prompt\" | \"messages\" | \"input_ids\": ...} per line "
                                    "(see docs/engine.md)")
-    p.add_argument("--out", required=True, help="results, one JSON object per input line, same order")
+    p.add_argument("--out", required=True, help="results, one JSON object per input line, written as each finishes "
+                                                "(never the prompts file; an existing file needs --resume)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue a partly written --out: run only the lines whose ids it does not hold yet")
     p.add_argument("--model", default="smollm2-135m-instruct", help="bundled model name")
     p.add_argument("--max-new-tokens", type=_count(1), default=128, help="default for lines that do not say")
     p.add_argument("--temperature", type=_temperature, default=0.0, help="default for lines that do not say; 0 = greedy")
@@ -454,6 +457,17 @@ def _check_batch(parser, args) -> None:
         problem = _batch_assistant_problem(args.assistant)
         if problem:
             parser.error(f"--assistant: {problem}")
+    from hf_kvspec.serving.offline import check_paths, read_requests
+
+    try:  # every line and the output path, before the model loads
+        check_paths(args.prompts, args.out, args.resume)
+        args.requests = read_requests(args.prompts, _batch_defaults(args))
+    except ValueError as err:
+        parser.error(str(err))
+
+
+def _batch_defaults(args) -> dict:
+    return {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature}
 
 
 def _batch_assistant_problem(spec: str) -> str | None:
@@ -475,9 +489,10 @@ def _run_batch(args) -> None:
 
     from hf_kvspec.models import load_bundled_model
     from hf_kvspec.serving.engine import Engine
-    from hf_kvspec.serving.offline import read_requests, run_requests, write_results
+    from hf_kvspec.serving.offline import ResultWriter, finished_ids, run_requests
 
-    requests = read_requests(args.prompts)  # a malformed file fails before the model loads
+    done = finished_ids(args.out) if args.resume else set()
+    requests = [r for r in args.requests if r["id"] not in done]  # checked by _check_batch, before the model
     torch.set_num_threads(args.threads)
     model, tokenizer = load_bundled_model(args.model)
     engine = Engine(model, tokenizer, kv_budget=args.kv_budget, block_size=args.block_size,
@@ -485,14 +500,24 @@ def _run_batch(args) -> None:
                     enable_prefix_caching=not args.no_prefix_caching, assistant=args.assistant,
                     num_draft_tokens=args.num_draft_tokens)
     started = time.perf_counter()
-    results = run_requests(engine, requests, {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature},
-                           chat=not args.no_chat, progress_bar=not args.no_progress)
-    seconds = time.perf_counter() - started
-    write_results(args.out, results)
+    with ResultWriter(args.out) as writer:
+        try:
+            results = run_requests(engine, requests, _batch_defaults(args), chat=not args.no_chat,
+                                   progress_bar=not args.no_progress, on_result=writer)
+        except KeyboardInterrupt:
+            print(f"hf-kvspec: interrupted: {writer.count + len(done)} of {len(args.requests)} results are in "
+                  f"{args.out}; run again with --resume to finish the rest.", file=sys.stderr)
+            raise SystemExit(130) from None
+    _print_batch_summary(args, engine, results, len(done), time.perf_counter() - started)
+
+
+def _print_batch_summary(args, engine, results: list[dict], resumed: int, seconds: float) -> None:
     stats = engine.telemetry()
     tokens = sum(len(r["output_ids"]) for r in results)
-    print(f"{len(results)} requests, {tokens} output tokens in {seconds:.1f} s ({tokens / seconds:.1f} tokens/s) "
-          f"-> {args.out}")
+    failed = sum(r["finish_reason"] == "error" for r in results)
+    print(f"{len(results)} requests, {tokens} output tokens in {seconds:.1f} s ({tokens / max(seconds, 1e-9):.1f} "
+          f"tokens/s) -> {args.out}" + (f" ({resumed} already there)" if resumed else "")
+          + (f"; {failed} failed (\"error\" in their lines)" if failed else ""))
     print(f"rounds {stats['rounds']}, tokens/forward {stats['tokens_per_forward']:.1f}, preemptions "
           f"{stats['preemptions']}, prefix hit rate {stats['prefix_hit_rate']:.0%}, mean block use "
           f"{stats['mean_block_utilization']:.0%}")
