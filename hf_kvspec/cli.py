@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import functools
 import math
+import re
 import sys
 import time
 
@@ -45,6 +46,13 @@ def _temperature(text: str) -> float:
     return value
 
 
+def _port(text: str) -> int:
+    value = _count(0)(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"needs a TCP port in 0..65535, got {value}")
+    return value
+
+
 def _draft_tokens(text: str) -> int | str:
     if text == "auto" or text.isdigit():
         return text if text == "auto" else int(text)
@@ -54,6 +62,8 @@ def _draft_tokens(text: str) -> int | str:
 def _byte_size(text: str) -> int:
     from hf_kvspec.memory import parse_bytes
 
+    if text.strip().startswith("-"):
+        raise argparse.ArgumentTypeError(f"needs a positive size, e.g. '80GiB', got {text!r}")
     try:
         value = parse_bytes(text)
     except ValueError as err:
@@ -536,7 +546,7 @@ def _add_serve(subparsers) -> None:
     p.add_argument("--assistant", default=None, help="speculative decoding inside the engine (an assistant spec)")
     p.add_argument("--served-model-name", default=None, help="the id /v1/models lists (default: the model's name)")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=_count(0), default=8000)
+    p.add_argument("--port", type=_port, default=8000)
     p.add_argument("--kv-budget", type=_kv_budget, default="256MB",
                    help="KV cache: a byte size (e.g. 256MB) or a plain number of blocks")
     p.add_argument("--block-size", type=_count(1), default=16)
@@ -546,6 +556,8 @@ def _add_serve(subparsers) -> None:
                    help="requests (choices) in the server at once, running or waiting; more get 429")
     p.add_argument("--drain-timeout", type=_count(0), default=300,
                    help="seconds running requests get to finish after SIGTERM")
+    p.add_argument("--max-body-bytes", type=_byte_size, default=4 * 2**20,
+                   help="largest request body (e.g. 4MiB); a larger one gets 413")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--threads", type=_count(1), default=2)
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
@@ -569,6 +581,20 @@ def _check_serve(parser, args) -> None:
         import uvicorn  # noqa: F401
     except ImportError:
         parser.error("serve needs the server extra: pip install 'hf-kvspec[serve]'.")
+    problem = _port_problem(args.host, args.port)
+    if problem:
+        parser.error(problem)
+
+
+def _port_problem(host: str, port: int) -> str | None:
+    """Bind ``host:port`` for a moment, so that a busy port or an unknown host fails before the model loads."""
+    import socket
+
+    try:
+        with socket.create_server((host, port)):
+            return None
+    except OSError as err:
+        return f"cannot listen on --host {host} --port {port}: {err.strerror or err}; choose another port."
 
 
 def _run_serve(args) -> None:
@@ -592,7 +618,8 @@ def _run_serve(args) -> None:
                     max_tokens_per_round=args.max_tokens_per_round, max_running=args.max_running,
                     enable_prefix_caching=not args.no_prefix_caching, **engine_kwargs)
     config = ServerConfig(model_name=args.served_model_name or args.bundled or args.model,
-                          max_queue=args.max_queue, drain_timeout_s=float(args.drain_timeout))
+                          max_queue=args.max_queue, drain_timeout_s=float(args.drain_timeout),
+                          max_body_bytes=args.max_body_bytes)
     run_server(engine, config, host=args.host, port=args.port, log_level=args.log_level)
 
 
@@ -607,8 +634,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _refuse_negative_values(parser, argv: list[str]) -> None:
+    """``--kv-budget -1GB``: argparse takes ``-1GB`` for an option and says only "expected one argument"; name the
+    real problem instead (plain negative numbers like ``-1`` reach the argument's own check)."""
+    for flag, value in zip(argv, argv[1:]):
+        if flag.startswith("--") and "=" not in flag and re.fullmatch(r"-\d[^ ]*", value) \
+                and not re.fullmatch(r"-\d+|-\d*\.\d+", value):
+            parser.error(f"{flag} {value}: needs a value >= 0; negative values are never valid here.")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    _refuse_negative_values(parser, argv)
     args = parser.parse_args(argv)
     args.check(args)  # a bad combination exits 2 here, before any config or model is loaded
     try:

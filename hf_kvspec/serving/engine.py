@@ -113,6 +113,11 @@ class Engine:
         self._max_positions = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
         self.drafters = None if assistant is None else self._drafters(assistant, num_draft_tokens)
 
+    @property
+    def vocab_size(self) -> int:
+        """Token ids a request may hold: ``0 .. vocab_size - 1`` (the model's input embedding rows)."""
+        return self._vocab_size
+
     def _drafters(self, assistant, num_draft_tokens: int | None) -> Drafters:
         assistant = resolve_assistant(assistant, self.model)
         check_assistant(assistant, sliding=any(layer.is_sliding for layer in self.cache.layers))
