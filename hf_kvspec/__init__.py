@@ -77,6 +77,7 @@ _EXPORTS: dict[str, str] = {
     # continuous batching
     "Engine": "hf_kvspec.serving.engine",
     "RequestTooLongError": "hf_kvspec.serving.request",
+    "RequestFailedError": "hf_kvspec.serving.request",
     "SchedulingPolicy": "hf_kvspec.serving.scheduler",
 }
 

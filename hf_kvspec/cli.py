@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import functools
 import math
+import re
 import sys
 import time
 
@@ -45,6 +46,13 @@ def _temperature(text: str) -> float:
     return value
 
 
+def _port(text: str) -> int:
+    value = _count(0)(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"needs a TCP port in 0..65535, got {value}")
+    return value
+
+
 def _draft_tokens(text: str) -> int | str:
     if text == "auto" or text.isdigit():
         return text if text == "auto" else int(text)
@@ -54,6 +62,8 @@ def _draft_tokens(text: str) -> int | str:
 def _byte_size(text: str) -> int:
     from hf_kvspec.memory import parse_bytes
 
+    if text.strip().startswith("-"):
+        raise argparse.ArgumentTypeError(f"needs a positive size, e.g. '80GiB', got {text!r}")
     try:
         value = parse_bytes(text)
     except ValueError as err:
@@ -426,7 +436,10 @@ def _add_batch(subparsers) -> None:
     p = subparsers.add_parser("batch", help="run a JSON Lines file of prompts through the continuous-batching Engine")
     p.add_argument("prompts", help="JSON Lines: one {\"prompt\" | \"messages\" | \"input_ids\": ...} per line "
                                    "(see docs/engine.md)")
-    p.add_argument("--out", required=True, help="results, one JSON object per input line, same order")
+    p.add_argument("--out", required=True, help="results, one JSON object per input line, written as each finishes "
+                                                "(never the prompts file; an existing file needs --resume)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue a partly written --out: run only the lines whose ids it does not hold yet")
     p.add_argument("--model", default="smollm2-135m-instruct", help="bundled model name")
     p.add_argument("--max-new-tokens", type=_count(1), default=128, help="default for lines that do not say")
     p.add_argument("--temperature", type=_temperature, default=0.0, help="default for lines that do not say; 0 = greedy")
@@ -462,6 +475,17 @@ def _check_batch(parser, args) -> None:
         problem = _batch_assistant_problem(args.assistant)
         if problem:
             parser.error(f"--assistant: {problem}")
+    from hf_kvspec.serving.offline import check_paths, read_requests
+
+    try:  # every line and the output path, before the model loads
+        check_paths(args.prompts, args.out, args.resume)
+        args.requests = read_requests(args.prompts, _batch_defaults(args))
+    except ValueError as err:
+        parser.error(str(err))
+
+
+def _batch_defaults(args) -> dict:
+    return {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature}
 
 
 def _batch_assistant_problem(spec: str) -> str | None:
@@ -483,9 +507,10 @@ def _run_batch(args) -> None:
 
     from hf_kvspec.models import load_bundled_model
     from hf_kvspec.serving.engine import Engine
-    from hf_kvspec.serving.offline import read_requests, run_requests, write_results
+    from hf_kvspec.serving.offline import ResultWriter, finished_ids, run_requests
 
-    requests = read_requests(args.prompts)  # a malformed file fails before the model loads
+    done = finished_ids(args.out) if args.resume else set()
+    requests = [r for r in args.requests if r["id"] not in done]  # checked by _check_batch, before the model
     torch.set_num_threads(args.threads)
     model, tokenizer = load_bundled_model(args.model)
     engine = Engine(model, tokenizer, kv_budget=args.kv_budget, block_size=args.block_size,
@@ -493,14 +518,24 @@ def _run_batch(args) -> None:
                     enable_prefix_caching=not args.no_prefix_caching, assistant=args.assistant,
                     num_draft_tokens=args.num_draft_tokens)
     started = time.perf_counter()
-    results = run_requests(engine, requests, {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature},
-                           chat=not args.no_chat, progress_bar=not args.no_progress)
-    seconds = time.perf_counter() - started
-    write_results(args.out, results)
+    with ResultWriter(args.out) as writer:
+        try:
+            results = run_requests(engine, requests, _batch_defaults(args), chat=not args.no_chat,
+                                   progress_bar=not args.no_progress, on_result=writer)
+        except KeyboardInterrupt:
+            print(f"hf-kvspec: interrupted: {writer.count + len(done)} of {len(args.requests)} results are in "
+                  f"{args.out}; run again with --resume to finish the rest.", file=sys.stderr)
+            raise SystemExit(130) from None
+    _print_batch_summary(args, engine, results, len(done), time.perf_counter() - started)
+
+
+def _print_batch_summary(args, engine, results: list[dict], resumed: int, seconds: float) -> None:
     stats = engine.telemetry()
     tokens = sum(len(r["output_ids"]) for r in results)
-    print(f"{len(results)} requests, {tokens} output tokens in {seconds:.1f} s ({tokens / seconds:.1f} tokens/s) "
-          f"-> {args.out}")
+    failed = sum(r["finish_reason"] == "error" for r in results)
+    print(f"{len(results)} requests, {tokens} output tokens in {seconds:.1f} s ({tokens / max(seconds, 1e-9):.1f} "
+          f"tokens/s) -> {args.out}" + (f" ({resumed} already there)" if resumed else "")
+          + (f"; {failed} failed (\"error\" in their lines)" if failed else ""))
     print(f"rounds {stats['rounds']}, tokens/forward {stats['tokens_per_forward']:.1f}, preemptions "
           f"{stats['preemptions']}, prefix hit rate {stats['prefix_hit_rate']:.0%}, mean block use "
           f"{stats['mean_block_utilization']:.0%}")
@@ -519,7 +554,7 @@ def _add_serve(subparsers) -> None:
     p.add_argument("--assistant", default=None, help="speculative decoding inside the engine (an assistant spec)")
     p.add_argument("--served-model-name", default=None, help="the id /v1/models lists (default: the model's name)")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=_count(0), default=8000)
+    p.add_argument("--port", type=_port, default=8000)
     p.add_argument("--kv-budget", type=_kv_budget, default="256MB",
                    help="KV cache: a byte size (e.g. 256MB) or a plain number of blocks")
     p.add_argument("--block-size", type=_count(1), default=16)
@@ -529,6 +564,8 @@ def _add_serve(subparsers) -> None:
                    help="requests (choices) in the server at once, running or waiting; more get 429")
     p.add_argument("--drain-timeout", type=_count(0), default=300,
                    help="seconds running requests get to finish after SIGTERM")
+    p.add_argument("--max-body-bytes", type=_byte_size, default=4 * 2**20,
+                   help="largest request body (e.g. 4MiB); a larger one gets 413")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--threads", type=_count(1), default=2)
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
@@ -552,6 +589,20 @@ def _check_serve(parser, args) -> None:
         import uvicorn  # noqa: F401
     except ImportError:
         parser.error("serve needs the server extra: pip install 'hf-kvspec[serve]'.")
+    problem = _port_problem(args.host, args.port)
+    if problem:
+        parser.error(problem)
+
+
+def _port_problem(host: str, port: int) -> str | None:
+    """Bind ``host:port`` for a moment, so that a busy port or an unknown host fails before the model loads."""
+    import socket
+
+    try:
+        with socket.create_server((host, port)):
+            return None
+    except OSError as err:
+        return f"cannot listen on --host {host} --port {port}: {err.strerror or err}; choose another port."
 
 
 def _run_serve(args) -> None:
@@ -575,7 +626,8 @@ def _run_serve(args) -> None:
                     max_tokens_per_round=args.max_tokens_per_round, max_running=args.max_running,
                     enable_prefix_caching=not args.no_prefix_caching, **engine_kwargs)
     config = ServerConfig(model_name=args.served_model_name or args.bundled or args.model,
-                          max_queue=args.max_queue, drain_timeout_s=float(args.drain_timeout))
+                          max_queue=args.max_queue, drain_timeout_s=float(args.drain_timeout),
+                          max_body_bytes=args.max_body_bytes)
     run_server(engine, config, host=args.host, port=args.port, log_level=args.log_level)
 
 
@@ -590,8 +642,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _refuse_negative_values(parser, argv: list[str]) -> None:
+    """``--kv-budget -1GB``: argparse takes ``-1GB`` for an option and says only "expected one argument"; name the
+    real problem instead (plain negative numbers like ``-1`` reach the argument's own check)."""
+    for flag, value in zip(argv, argv[1:]):
+        if flag.startswith("--") and "=" not in flag and re.fullmatch(r"-\d[^ ]*", value) \
+                and not re.fullmatch(r"-\d+|-\d*\.\d+", value):
+            parser.error(f"{flag} {value}: needs a value >= 0; negative values are never valid here.")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    _refuse_negative_values(parser, argv)
     args = parser.parse_args(argv)
     args.check(args)  # a bad combination exits 2 here, before any config or model is loaded
     try:

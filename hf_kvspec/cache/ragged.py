@@ -36,6 +36,7 @@ forward · M blocks per row · N blocks · P block size.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar
@@ -44,7 +45,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from hf_kvspec import _compat, stored_kv
-from hf_kvspec.memory import is_mla, parse_bytes
+from hf_kvspec.memory import is_mla, kv_bytes_per_token, parse_bytes
 
 from .block_pool import BlockPool
 from .block_table import BlockTables
@@ -110,15 +111,25 @@ class RaggedPagedCache(Cache):
         self._forward: tuple[list[RaggedRow], torch.Tensor, RaggedKV] | None = None
 
     @classmethod
-    def blocks_for(cls, config, kv_budget: int | str, block_size: int, dtype: torch.dtype) -> int:
-        """Blocks in ``kv_budget``: an ``int`` is a block count, a string a byte size (``"256MB"``)."""
+    def blocks_for(cls, config, kv_budget: int | str, block_size: int, dtype: torch.dtype,
+                   device: torch.device | str = "cpu") -> int:
+        """Blocks in ``kv_budget``: an ``int`` is a block count, a string a byte size (``"256MB"``). A budget
+        whose pages could never fit ``device``'s whole memory is refused by name (rather than a bare
+        ``MemoryError`` at the first forward)."""
         if isinstance(kv_budget, bool) or not isinstance(kv_budget, (int, str)):
             raise ValueError(f"kv_budget must be a block count (int) or a byte size like '256MB', got {kv_budget!r}.")
         if isinstance(kv_budget, int):
             if kv_budget < 1:
                 raise ValueError(f"kv_budget={kv_budget} blocks: give at least 1.")
-            return kv_budget
-        return blocks_for_budget(config.get_text_config(decoder=True), block_size, parse_bytes(kv_budget), dtype)
+            blocks = kv_budget
+        else:
+            blocks = blocks_for_budget(config.get_text_config(decoder=True), block_size, parse_bytes(kv_budget), dtype)
+        needed = blocks * block_size * kv_bytes_per_token(config.get_text_config(decoder=True), dtype)
+        total = _total_memory_bytes(torch.device(device))
+        if needed > total:
+            raise ValueError(f"kv_budget={kv_budget!r} needs {needed:,} bytes of K/V pages; this machine's "
+                             f"{torch.device(device).type} memory is {total:,} bytes in all. Lower kv_budget.")
+        return blocks
 
     # ---- sequences -----------------------------------------------------------------------------------
     @property
@@ -311,3 +322,10 @@ class RaggedPagedCache(Cache):
             for index, block in enumerate(self.tables.table(row)):
                 filled[block] = max(filled.get(block, 0), min(self.block_size, length - index * self.block_size))
         return sum(filled.values()) / (len(filled) * self.block_size) if filled else 1.0
+
+
+def _total_memory_bytes(device: torch.device) -> int:
+    """All the memory of ``device`` (not what is free now: a budget above this can never fit)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

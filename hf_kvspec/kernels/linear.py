@@ -254,11 +254,7 @@ class DecodeKernels:
     def _save_plans(self) -> None:
         if self.plans_file is None or not self._new:
             return
-        try:
-            trials.save_plans(self.plans_file, {**trials.load_plans(self.plans_file), **self._new})
-        except OSError as err:  # a read-only cache directory costs a calibration next time, nothing else
-            warnings.warn(f"DecodeKernels: could not store kernel plans in {self.plans_file}: {err}",
-                          RuntimeWarning, stacklevel=3)
+        trials.save_plans(self.plans_file, {**trials.load_plans(self.plans_file), **self._new})  # warns on failure
         self._new = {}
 
     def _copy(self, module: nn.Linear, kernel: str, key: tuple) -> torch.Tensor | None:

@@ -26,6 +26,7 @@ import itertools
 import json
 import platform
 import time
+import warnings
 import weakref
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -146,24 +147,55 @@ def disk_key(key: tuple, layers: int, bucket: int) -> str:
             f"|{layers} layers|rows {bucket_name(bucket)}")
 
 
+KERNEL_NAMES = ("stock", "transposed", "onednn")  # what a plan file may choose
+_WARNED: set[tuple[str, str]] = set()  # (file, what) already warned about in this process
+
+
 def load_plans(path: str | Path) -> dict[str, str]:
-    """The choices stored in ``path`` (empty when it is missing or unreadable: then the buckets calibrate)."""
-    try:
-        stored = json.loads(Path(path).read_text())
-    except (OSError, ValueError):
-        return {}
-    plans = stored.get("plans", {}) if isinstance(stored, dict) else {}
-    return {k: v for k, v in plans.items() if isinstance(k, str) and v in ("stock", "transposed", "onednn")}
-
-
-def save_plans(path: str | Path, plans: dict[str, str]) -> None:
-    """Write ``plans`` to ``path`` atomically (a reader never sees half a file); errors are left to the caller."""
+    """The choices stored in ``path``: empty when it is missing; when it is unreadable or ill-typed (not JSON, not
+    ``{"plans": {key: kernel}}``), empty too, with one warning naming the file. Either way the buckets without a
+    choice calibrate, and the next save rewrites the file whole."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        stored = json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as err:  # a directory, no permission, not UTF-8, not JSON
+        _warn_once(path, "read", f"ignoring it ({type(err).__name__}: {err}); the kernels are calibrated again")
+        return {}
+    plans = stored.get("plans") if isinstance(stored, dict) else None
+    if not isinstance(plans, dict):
+        _warn_once(path, "read", 'ignoring it: not a {"plans": {key: kernel}} object; the kernels are calibrated '
+                                 "again")
+        return {}
+    good = {k: v for k, v in plans.items() if isinstance(k, str) and v in KERNEL_NAMES}
+    if len(good) < len(plans):
+        _warn_once(path, "read", f"ignoring {len(plans) - len(good)} entr(ies) that name no kernel of "
+                                 f"{KERNEL_NAMES}; those buckets are calibrated again")
+    return good
+
+
+def save_plans(path: str | Path, plans: dict[str, str]) -> bool:
+    """Write ``plans`` to ``path`` atomically (a reader never sees half a file). A path that cannot be written (a
+    read-only cache directory) gets one warning per process and False: the plans stay in memory (``PLANS``)."""
+    path = Path(path)
     partial = path.with_name(path.name + ".partial")
-    partial.write_text(json.dumps({"format": "hf_kvspec decode kernel plans v1", "plans": plans}, indent=1,
-                                  sort_keys=True))
-    partial.replace(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial.write_text(json.dumps({"format": "hf_kvspec decode kernel plans v1", "plans": plans}, indent=1,
+                                      sort_keys=True))
+        partial.replace(path)
+    except OSError as err:
+        _warn_once(path, "write", f"could not store kernel plans there ({err}); they are kept in memory for this "
+                                  "process. Point HF_KVSPEC_CACHE at a writable directory to keep them across runs")
+        return False
+    return True
+
+
+def _warn_once(path: Path, what: str, message: str) -> None:
+    if (str(path), what) not in _WARNED:
+        _WARNED.add((str(path), what))
+        warnings.warn(f"DecodeKernels: kernel plan file {path}: {message}.", RuntimeWarning, stacklevel=4)
 
 
 def _cpu_name() -> str:

@@ -9,10 +9,16 @@ forward ``runner.py``'s, attention over ragged rows ``attention.py``'s, K/V stor
 
 A round (``step``) is all or nothing: schedule (blocks reserved) -> forward -> choose every sampling row's token
 -> commit (K/V kept, requests advanced, finished ones leave and free their blocks). If anything raises before
-the commit — the model, a logits processor, a stop-string check — the round's reservations are given back,
-sampled requests' generators are restored and no request advances; the exception propagates and the next
-``step()`` runs the round again. ``failed_round`` names the round's requests, for a caller (the server) that
-would rather cancel them than retry.
+the commit — the model, a logits processor, a drafter — the round's reservations are given back, sampled
+requests' generators are restored and no request advances. Then the round is run again one request at a time
+(``_isolate``): a request whose round fails alone is the culprit and ends with finish reason ERROR (its
+exception in ``RequestOutput.error``); every other request advances exactly as it would have, so one bad request
+never fails another. Past the commit point a row's own bookkeeping (a stop-string decode) failing ends that
+request only. What ``add_request`` can check (token ids, settings) it refuses before anything is queued. Only a
+failure before any request was scheduled propagates out of ``step()`` (``failed_round`` is then empty).
+
+Threads: the public methods hold one reentrant lock, so ``step``, ``add_request``, ``cancel``, ``stream`` and
+``get_output`` may be called from several threads; rounds never overlap.
 
 With an assistant, each decoding request drafts through its own session (``drafting.py``), within the slots the
 scheduler granted it, and its drafts are verified in the same forward (``speculation.py``): the round commits,
@@ -24,6 +30,8 @@ Greedy output of each request is the same as ``model.generate(prompt, do_sample=
 
 from __future__ import annotations
 
+import functools
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -35,13 +43,23 @@ from hf_kvspec.speculative.drafters.base import DraftProposal
 
 from .attention import register_ragged_attention
 from .drafting import Drafters, check_assistant, resolve_assistant
-from .prompts import Prompt, make_settings, prompt_ids, settings_from_generation_config
-from .request import FinishReason, Request, RequestDelta, RequestOutput, RequestTooLongError
+from .prompts import Prompt, check_vocabulary, make_settings, prompt_ids, settings_from_generation_config
+from .request import FinishReason, Request, RequestDelta, RequestFailedError, RequestOutput, RequestTooLongError
 from .runner import ForwardRow, ForwardRunner
 from .sampling import finish_reason, next_token
 from .scheduler import RoundPlan, ScheduledRow, Scheduler, SchedulingPolicy
 from .speculation import Verdict, VerifyRow, request_processor
 from .telemetry import EngineStats, RoundStats
+
+
+def _locked(method):
+    """Run ``method`` under the engine's lock: ``step``, ``add_request``, ``cancel`` and the rest may be called
+    from several threads; they take turns (a round is never entered twice)."""
+    @functools.wraps(method)
+    def locked(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+    return locked
 
 
 @dataclass(frozen=True)
@@ -81,17 +99,24 @@ class Engine:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}.")
         register_ragged_attention()
         self.model, self.tokenizer = model, tokenizer
-        num_blocks = RaggedPagedCache.blocks_for(model.config, kv_budget, block_size, model.dtype)
+        num_blocks = RaggedPagedCache.blocks_for(model.config, kv_budget, block_size, model.dtype, model.device)
         self.cache = RaggedPagedCache(model.config, num_blocks, block_size, enable_prefix_caching, model.dtype)
         self.scheduler = Scheduler(self.cache, policy or SchedulingPolicy(), max_tokens_per_round, max_running)
         self.runner = ForwardRunner(model, self.cache)
         self.stats = EngineStats()
         self._requests: dict[int, Request] = {}
+        self._lock = threading.RLock()  # public methods take turns (``_locked``); reentrant for ``stream``
+        self._vocab_size = model.get_input_embeddings().num_embeddings
         self._next_id = 0
         self._cancelled: list[RequestDelta] = []
         self.failed_round: tuple[int, ...] = ()  # request ids of the last round that raised (a server fails them)
         self._max_positions = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
         self.drafters = None if assistant is None else self._drafters(assistant, num_draft_tokens)
+
+    @property
+    def vocab_size(self) -> int:
+        """Token ids a request may hold: ``0 .. vocab_size - 1`` (the model's input embedding rows)."""
+        return self._vocab_size
 
     def _drafters(self, assistant, num_draft_tokens: int | None) -> Drafters:
         assistant = resolve_assistant(assistant, self.model)
@@ -100,6 +125,7 @@ class Engine:
         return Drafters(assistant, self.model, num_draft_tokens, pad if isinstance(pad, int) else 0)
 
     # ---- requests ------------------------------------------------------------------------------------------
+    @_locked
     def add_request(self, prompt: Prompt, *, max_new_tokens: int = 32, do_sample: bool = False,
                     temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
                     stop_strings: str | Sequence[str] | None = None, eos_token_id: int | Sequence[int] | None = None,
@@ -111,17 +137,28 @@ class Engine:
         with the same prompt (e.g. another choice of an ``n > 1`` request); if it is running when this one is
         admitted, this one shares its stored prefix copy-on-write instead of computing it.
 
-        Raises ``RequestTooLongError`` when the prompt plus ``max_new_tokens`` can never fit the KV budget or
-        the model's positions."""
+        Every argument is checked here, so that a request that would fail inside a round is refused before it
+        is queued: ``ValueError`` naming the argument (prompt or ``eos_token_id`` ids outside the vocabulary, a
+        seed outside ``0 .. 2**64 - 1``, a non-callable processor, an empty stop string, ...);
+        ``RequestTooLongError`` when the prompt plus ``max_new_tokens`` can never fit the KV budget or the
+        model's positions. A sampled request with ``temperature`` below ``GREEDY_BELOW_TEMPERATURE`` (1e-5)
+        decodes greedily (dividing by less would overflow the scores)."""
         settings = make_settings(self.model.generation_config, max_new_tokens=max_new_tokens, do_sample=do_sample,
                                  temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                                  stop_strings=stop_strings, eos_token_id=eos_token_id,
                                  logits_processor=logits_processor)
         if settings.stop_strings and self.tokenizer is None:
             raise ValueError("stop_strings need a tokenizer: build Engine(model, tokenizer, ...).")
-        ids = prompt_ids(prompt, self.tokenizer)
+        check_vocabulary("eos_token_id", settings.eos_token_id, self._vocab_size)
+        if salt is not None and not isinstance(salt, str):
+            raise ValueError(f"salt must be a string (a tenant's name or secret) or None, got {salt!r}.")
+        if fork_of is not None and (isinstance(fork_of, bool) or not isinstance(fork_of, int)):
+            raise ValueError(f"fork_of must be a request id (int) or None, got {fork_of!r}.")
+        ids = prompt_ids(prompt, self.tokenizer, self._vocab_size)
         self._check_fits(len(ids), settings.max_new_tokens)
-        request = Request(self._next_id, ids, settings, salt)
+        return self._queue(Request(self._next_id, ids, settings, salt), fork_of)
+
+    def _queue(self, request: Request, fork_of: int | None) -> int:
         request.fork_of = fork_of
         self._next_id += 1
         self._requests[request.request_id] = request
@@ -141,9 +178,20 @@ class Engine:
                 f"A {prompt_len}-token prompt with max_new_tokens={max_new_tokens} runs past the model's "
                 f"max_position_embeddings={self._max_positions}; shorten the prompt or lower max_new_tokens.")
 
+    def _request(self, request_id: int) -> Request:
+        request = self._requests.get(request_id)
+        if request is None:
+            known = "" if isinstance(request_id, int) else " (ids are the ints add_request returns)"
+            raise KeyError(f"No request {request_id!r} in this engine{known}: it was never added, or its finished "
+                           "output was already taken with get_output(forget=True).")
+        return request
+
+    @_locked
     def cancel(self, request_id: int) -> None:
-        """Stop a request now: it leaves the queue, its blocks are freed; the next ``step()`` reports it."""
-        request = self._requests[request_id]
+        """Stop a request now: it leaves the queue, its blocks are freed; the next ``step()`` reports it (a
+        ``stream`` of it yields its last delta, ``finish_reason`` CANCELLED). Cancelling a finished request is a
+        no-op; an unknown id is a ``KeyError`` naming it."""
+        request = self._request(request_id)
         if request.finished:
             return
         self.scheduler.remove(request)
@@ -151,37 +199,81 @@ class Engine:
         request.finish(FinishReason.CANCELLED, time.perf_counter())
         self._cancelled.append(RequestDelta(request_id, (), True, FinishReason.CANCELLED))
 
+    @_locked
     def has_unfinished(self) -> bool:
         return bool(self.scheduler.running or self.scheduler.waiting)
 
+    @_locked
     def get_output(self, request_id: int, forget: bool = True) -> RequestOutput:
-        """A request's output so far (all of it once finished); ``forget`` drops a finished request's record."""
-        request = self._requests[request_id]
+        """A request's output so far (all of it once finished); ``forget`` drops a finished request's record.
+        A request that failed on its own has ``finish_reason`` ERROR and ``error`` set."""
+        request = self._request(request_id)
         if forget and request.finished:
             del self._requests[request_id]
         text = self.tokenizer.decode(request.output_ids, skip_special_tokens=True) if self.tokenizer else None
+        error = None if request.error is None else f"{type(request.error).__name__}: {request.error}"
         return RequestOutput(request_id, list(request.prompt_ids), list(request.output_ids), request.finish_reason,
-                             request.metrics, text)
+                             request.metrics, text, error)
 
     # ---- rounds --------------------------------------------------------------------------------------------
+    @_locked
     def step(self) -> list[RequestDelta]:
-        """Run one round; returns what it did for each request (cancellations since the last step included)."""
+        """Run one round; returns what it did for each request (cancellations since the last step included).
+
+        A round that raises is undone and run again one request at a time (``_isolate``): a request whose round
+        fails alone ends with finish reason ERROR, every other one advances as it would have. Only a failure
+        before any request was scheduled propagates (``failed_round`` is then empty)."""
         deltas, self._cancelled = self._cancelled, []
+        self.failed_round = ()
+        try:
+            return deltas + self._round()
+        except Exception:
+            if not self.failed_round:
+                self._cancelled = deltas + self._cancelled  # reported by the next step
+                raise
+            return deltas + self._isolate(self.failed_round)
+
+    def _round(self, only: set[int] | None = None) -> list[RequestDelta]:
+        """One round (of the requests in ``only``, if given): run it, commit it, record it."""
         started = time.perf_counter()
-        plan, results = self._run_round()
-        if plan.rows:
-            new = self._commit(plan, results, time.perf_counter())
-            self._record(plan, results, sum(len(d.new_token_ids) for d in new), time.perf_counter() - started)
-            deltas += new
+        plan, results = self._run_round(only)
+        if not plan.rows:
+            return []
+        new = self._commit(plan, results, time.perf_counter())
+        self._record(plan, results, sum(len(d.new_token_ids) for d in new), time.perf_counter() - started)
+        return new
+
+    def _isolate(self, suspects: tuple[int, ...]) -> list[RequestDelta]:
+        """The round of ``suspects`` raised and was undone (nothing committed, blocks and generators restored):
+        run it again one request at a time. A request whose round fails alone is a culprit: it ends (ERROR) and
+        frees its blocks. Each other request advances by its own round, exactly as in the shared one (outputs
+        never depend on who shares a round), so bystanders lose nothing."""
+        deltas = []
+        for request_id in suspects:
+            request = self._requests.get(request_id)
+            if request is None or request.finished:
+                continue
+            try:
+                deltas += self._round(only={request_id})
+            except Exception as error:
+                deltas.append(self._fail(request, error))
         return deltas
 
-    def _run_round(self) -> tuple[RoundPlan, list[RowResult]]:
+    def _fail(self, request: Request, error: Exception) -> RequestDelta:
+        """End a request that failed on its own: it leaves the scheduler, its blocks and drafter session go."""
+        self.scheduler.remove(request)
+        self._forget_drafts(request)
+        request.error = error
+        request.finish(FinishReason.ERROR, time.perf_counter())
+        return RequestDelta(request.request_id, (), True, FinishReason.ERROR)
+
+    def _run_round(self, only: set[int] | None = None) -> tuple[RoundPlan, list[RowResult]]:
         """Schedule, draft, forward and choose tokens; on any exception, undo the round's reservations and samples
         (and drop the drafter sessions that drafted in it: ``drafting.py``)."""
         generators, verify, plan = [], {}, None
         try:
             self._set_draft_limits()
-            plan = self.scheduler.schedule()
+            plan = self.scheduler.schedule(only)
             for request in plan.preempted:
                 self._forget_drafts(request)
             if not plan.rows:
@@ -245,25 +337,33 @@ class Engine:
         self.cache.end_forward(ok=True)
         deltas, admitted = [], {id(r) for r in plan.admitted}
         for row, result in zip(plan.rows, results):
-            request = row.request
-            if id(request) in admitted:
-                self._on_admitted(request, cached_tokens=row.start)
-            request.num_computed += row.num_tokens
-            if result.verdict is None:  # a prefill chunk that does not reach the end of the prompt
-                self._gather_features(request, result.features)
-                continue
-            new, reason = self._append(request, result.verdict.tokens, now)
-            if result.verified:
-                request.metrics.record_speculation(result.verdict.num_draft, result.verdict.num_accepted, len(new))
-            if reason is not None:
-                request.finish(reason, now)
-                self.scheduler.remove(request)
-                self._forget_drafts(request)
-            else:
-                self._keep(request, row, result)
-                self.cache.record_tokens(request.request_id, request.tokens)
-            deltas.append(RequestDelta(request.request_id, tuple(new), reason is not None, reason))
+            try:
+                delta = self._commit_row(row, result, id(row.request) in admitted, now)
+            except Exception as error:  # past the commit point only this request's own bookkeeping is at stake
+                delta = self._fail(row.request, error)
+            if delta is not None:
+                deltas.append(delta)
         return deltas
+
+    def _commit_row(self, row: ScheduledRow, result: RowResult, admitted: bool, now: float) -> RequestDelta | None:
+        request = row.request
+        if admitted:
+            self._on_admitted(request, cached_tokens=row.start)
+        request.num_computed += row.num_tokens
+        if result.verdict is None:  # a prefill chunk that does not reach the end of the prompt
+            self._gather_features(request, result.features)
+            return None
+        new, reason = self._append(request, result.verdict.tokens, now)
+        if result.verified:
+            request.metrics.record_speculation(result.verdict.num_draft, result.verdict.num_accepted, len(new))
+        if reason is not None:
+            request.finish(reason, now)
+            self.scheduler.remove(request)
+            self._forget_drafts(request)
+        else:
+            self._keep(request, row, result)
+            self.cache.record_tokens(request.request_id, request.tokens)
+        return RequestDelta(request.request_id, tuple(new), reason is not None, reason)
 
     def _append(self, request: Request, tokens: list[int], now: float) -> tuple[list[int], FinishReason | None]:
         """Append the round's tokens one by one up to the first that ends the request (it is kept, as in
@@ -322,17 +422,31 @@ class Engine:
     # ---- convenience ---------------------------------------------------------------------------------------
     def stream(self, request_id: int) -> Iterator[RequestDelta]:
         """Yield ``request_id``'s new tokens as rounds produce them (running rounds as needed) until it finishes.
-        Other requests advance too; their tokens wait for their own ``stream`` / ``get_output``."""
-        request = self._requests[request_id]
-        while True:
-            new = request.output_ids[request.read_cursor:]
-            request.read_cursor += len(new)
-            if new or request.finished:
-                yield RequestDelta(request_id, tuple(new), request.finished, request.finish_reason)
-            if request.finished:
-                return
-            self.step()
+        Other requests advance too; their tokens wait for their own ``stream`` / ``get_output``. Cancelled
+        meanwhile (even from inside the loop), it yields a last delta with ``finish_reason`` CANCELLED; failed on
+        its own, it raises ``RequestFailedError``. An unknown id raises ``KeyError`` here, not at the first
+        ``next``."""
+        return self._stream(self._request(request_id))
 
+    def _stream(self, request: Request) -> Iterator[RequestDelta]:
+        request_id = request.request_id
+        while True:
+            with self._lock:
+                new = request.output_ids[request.read_cursor:]
+                request.read_cursor += len(new)
+                finished, reason = request.finished, request.finish_reason
+            if reason is FinishReason.ERROR:
+                raise RequestFailedError(f"Request {request_id} failed: {type(request.error).__name__}: "
+                                         f"{request.error}") from request.error
+            if new or finished:
+                yield RequestDelta(request_id, tuple(new), finished, reason)
+            if finished:
+                return
+            with self._lock:
+                if not request.finished:
+                    self.step()
+
+    @_locked
     def generate_batch(self, prompts: Sequence[Prompt], generation_config=None, progress_bar: bool = True,
                        **kwargs) -> list[RequestOutput]:
         """Offline: run ``prompts`` to completion, return their outputs in the same order (as transformers'
@@ -349,7 +463,14 @@ class Engine:
                 finished = [d.request_id for d in self.step() if d.finished and d.request_id in pending]
                 pending.difference_update(finished)
                 bar.update(len(finished))
-        return [self.get_output(request_id) for request_id in ids]
+        errors = [self._requests[request_id].error for request_id in ids]
+        outputs = [self.get_output(request_id) for request_id in ids]
+        failed = [i for i, output in enumerate(outputs) if output.finish_reason is FinishReason.ERROR]
+        if failed:
+            raise RequestFailedError(f"{len(failed)} of {len(ids)} prompts failed (first: prompt {failed[0]}: "
+                                     f"{outputs[failed[0]].error}); the others finished. Run them with "
+                                     "add_request / step to keep the others' outputs.") from errors[failed[0]]
+        return outputs
 
     def hold_rounds(self):
         """The runner's set-up held across the rounds of a serving loop (``ForwardRunner.held_across_rounds``); with
@@ -357,6 +478,7 @@ class Engine:
         attention."""
         return self.runner.held_across_rounds(attention=self.drafters is None)
 
+    @_locked
     def telemetry(self) -> dict:
         """Engine-wide figures now: running / waiting counts, block use, tokens per forward, preemptions, prefix
         hits (per-request figures are in each output's ``metrics``)."""

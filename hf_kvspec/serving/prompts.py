@@ -6,7 +6,7 @@ Boundary: the only serving module that touches the tokenizer for input (chat tem
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
@@ -15,9 +15,16 @@ from .request import SamplingSettings
 Prompt = Sequence[int] | torch.Tensor | str | Sequence[Mapping[str, str]]
 
 
-def prompt_ids(prompt: Prompt, tokenizer) -> list[int]:
+#: a sampled request's temperature below this decodes greedily: dividing fp32 scores by less overflows them to
+#: inf (NaN probabilities) for large enough logits, and the distribution is the argmax anyway (vLLM's
+#: ``_SAMPLING_EPS`` = 1e-5 makes the same call)
+GREEDY_BELOW_TEMPERATURE = 1e-5
+
+
+def prompt_ids(prompt: Prompt, tokenizer, vocab_size: int | None = None) -> list[int]:
     """Token ids of a prompt: ids (list or 1-D tensor), chat messages (``[{"role", "content"}, ...]``, rendered
-    with the tokenizer's chat template and a generation prompt) or plain text."""
+    with the tokenizer's chat template and a generation prompt) or plain text. ``vocab_size``: ids must be below it
+    (an id past the model's embedding table would fail every round it takes part in)."""
     if isinstance(prompt, torch.Tensor):
         if prompt.ndim != 1:
             raise ValueError(f"A tensor prompt must be 1-D token ids, got shape {tuple(prompt.shape)}; pass one "
@@ -27,9 +34,20 @@ def prompt_ids(prompt: Prompt, tokenizer) -> list[int]:
         ids = _tokenize(prompt, _need_tokenizer(tokenizer, prompt))
     else:
         ids = list(prompt)
-    if not ids or not all(isinstance(t, int) and t >= 0 for t in ids):
+    if not ids or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
         raise ValueError("A prompt needs at least one token id, and ids must be non-negative integers.")
+    check_vocabulary("prompt", ids, vocab_size)
     return ids
+
+
+def check_vocabulary(name: str, ids: Sequence[int], vocab_size: int | None) -> None:
+    """Every id of ``ids`` is below ``vocab_size`` (no check when it is None), else a ValueError naming ``name``."""
+    if vocab_size is None:
+        return
+    outside = sorted({t for t in ids if t >= vocab_size})
+    if outside:
+        raise ValueError(f"{name} has token id(s) {outside[:5]} outside the model's vocabulary of {vocab_size} "
+                         f"(ids 0..{vocab_size - 1}); check the tokenizer matches the model.")
 
 
 def _need_tokenizer(tokenizer, prompt):
@@ -52,7 +70,11 @@ def eos_ids(eos_token_id, generation_config) -> tuple[int, ...]:
         eos_token_id = getattr(generation_config, "eos_token_id", None)
     if eos_token_id is None:
         return ()
-    return (int(eos_token_id),) if isinstance(eos_token_id, int) else tuple(int(t) for t in eos_token_id)
+    if isinstance(eos_token_id, (str, bytes)) or not isinstance(eos_token_id, (int, Sequence, torch.Tensor)):
+        raise ValueError(f"eos_token_id must be a token id or a list of them, got {eos_token_id!r}.")
+    if isinstance(eos_token_id, torch.Tensor):
+        eos_token_id = eos_token_id.tolist()
+    return (eos_token_id,) if isinstance(eos_token_id, int) else tuple(eos_token_id)
 
 
 def settings_from_generation_config(generation_config) -> dict:
@@ -69,10 +91,21 @@ def settings_from_generation_config(generation_config) -> dict:
     return {name: value for name, value in fields.items() if value is not None}
 
 
+def _underflows(temperature) -> bool:
+    return isinstance(temperature, (int, float)) and 0 < temperature < GREEDY_BELOW_TEMPERATURE
+
+
 def make_settings(generation_config, **kwargs) -> SamplingSettings:
     """``SamplingSettings`` from ``add_request``'s keyword arguments, defaults filled from the model."""
     stop = kwargs.pop("stop_strings", None) or ()
     processors = kwargs.pop("logits_processor", None) or ()
+    if isinstance(processors, Callable) and not isinstance(processors, Sequence):
+        processors = (processors,)
+    if not isinstance(stop, (str, Sequence)) or not isinstance(processors, Sequence):
+        raise ValueError(f"stop_strings must be a string or a list of strings, logits_processor a list of callables;"
+                         f" got {stop!r} and {processors!r}.")
+    if kwargs.get("do_sample") is True and _underflows(kwargs.get("temperature")):
+        kwargs["do_sample"] = False  # greedy: see GREEDY_BELOW_TEMPERATURE
     return SamplingSettings(
         eos_token_id=eos_ids(kwargs.pop("eos_token_id", None), generation_config),
         stop_strings=(stop,) if isinstance(stop, str) else tuple(stop),

@@ -13,6 +13,7 @@ recompute sets ``num_computed`` back to 0: the request is prefilled again over p
 from __future__ import annotations
 
 import enum
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -22,6 +23,11 @@ import torch
 
 class RequestTooLongError(ValueError):
     """A request can never fit: its prompt plus ``max_new_tokens`` exceed the KV budget or the model's positions."""
+
+
+class RequestFailedError(RuntimeError):
+    """A request failed on its own (its logits processor, its drafter, ...) and was ended; the requests that
+    shared its rounds went on (``Engine.step`` isolates the culprit). The original exception is ``__cause__``."""
 
 
 class RequestStatus(enum.Enum):
@@ -35,6 +41,7 @@ class FinishReason(str, enum.Enum):
     EOS = "eos"  # an end-of-sequence token was generated (it is part of the output, as in generate())
     STOP = "stop"  # a stop string appeared in the decoded output
     CANCELLED = "cancelled"
+    ERROR = "error"  # the request failed on its own (``RequestOutput.error`` says how); the others went on
 
 
 @dataclass(frozen=True)
@@ -53,15 +60,44 @@ class SamplingSettings:
     logits_processor: Sequence[Callable] = ()
 
     def __post_init__(self):
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}.")
+        _check_integer("max_new_tokens", self.max_new_tokens, low=1)
+        if not isinstance(self.do_sample, bool):
+            raise ValueError(f"do_sample must be True or False, got {self.do_sample!r}.")
+        _check_number("temperature", self.temperature)
         if self.do_sample and not self.temperature > 0:
             raise ValueError(f"do_sample=True needs temperature > 0, got {self.temperature}; use do_sample=False "
                              "for greedy decoding.")
+        _check_number("top_p", self.top_p)
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"top_k must be a non-negative integer (0 = off), got {self.top_k!r}.")
+        _check_integer("top_k", self.top_k, low=0, hint=" (0 = off)")
+        if self.seed is not None:
+            _check_integer("seed", self.seed, low=0, high=MAX_SEED, hint=" (a torch.Generator seed)")
+        for token in self.eos_token_id:
+            _check_integer("eos_token_id", token, low=0, hint=" (token ids)")
+        if not all(isinstance(stop, str) and stop for stop in self.stop_strings):
+            raise ValueError(f"stop_strings must be non-empty strings, got {list(self.stop_strings)!r}; an empty "
+                             "string would stop every request after its first token.")
+        for processor in self.logits_processor:
+            if not callable(processor):
+                raise ValueError(f"logits_processor entries must be callables (input_ids, scores) -> scores, got "
+                                 f"{processor!r}.")
+
+
+MAX_SEED = 2**64 - 1  # the largest seed torch.Generator.manual_seed takes
+
+
+def _check_integer(name: str, value, low: int, high: int | None = None, hint: str = "") -> None:
+    """``value`` is an ``int`` (not a bool) in ``low .. high``, else a ValueError naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
+        bounds = f">= {low}" if high is None else f"in {low}..{high}"
+        raise ValueError(f"{name} must be an integer {bounds}{hint}, got {value!r}.")
+
+
+def _check_number(name: str, value) -> None:
+    """``value`` is a finite real number (not a bool, not a string), else a ValueError naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}.")
 
 
 @dataclass
@@ -124,6 +160,7 @@ class RequestOutput:
     finish_reason: FinishReason | None
     metrics: RequestMetrics
     text: str | None = None
+    error: str | None = None  # with finish_reason ERROR: what the request's own failure was
 
 
 class Request:
@@ -144,6 +181,7 @@ class Request:
         self.read_cursor = 0  # output tokens already yielded by Engine.stream
         self.fork_of: int | None = None  # a running request whose stored prefix this one shares when admitted
         self.draft_limit = 0  # draft tokens it would verify next round (set by the engine; 0: no speculation)
+        self.error: BaseException | None = None  # with finish reason ERROR: the exception that ended it
 
     @property
     def tokens(self) -> list[int]:

@@ -68,8 +68,11 @@ def finish_reason(request: Request, tokenizer) -> FinishReason | None:
 
 
 def _ends_with_stop_string(output_ids: list[int], stop_strings: tuple[str, ...], tokenizer) -> bool:
-    """A stop string occurs in the text of the newest tokens (each token decodes to at least one character, so
-    ``len(stop) + 1`` tokens cover any occurrence the newest token completed)."""
-    window = max(len(stop) for stop in stop_strings) + 1
+    """A stop string occurs in the decoded text of the newest tokens. The window is counted in UTF-8 bytes, not
+    characters: a byte-level BPE token may hold a single byte of a character ('👍🏽' is 2 characters, 8 bytes, 6
+    tokens of SmolLM2), but every token decodes to at least one byte, so ``bytes(stop) + 1`` tokens cover any
+    occurrence the newest token completed (the extra one keeps a leading space that a first token would lose).
+    Same decisions as transformers' ``StopStringCriteria``, which ``generate`` uses (tests/serving)."""
+    window = max(len(stop.encode("utf-8")) for stop in stop_strings) + 1
     text = tokenizer.decode(output_ids[-window:], skip_special_tokens=False)
     return any(stop in text for stop in stop_strings)

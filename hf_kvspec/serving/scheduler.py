@@ -123,15 +123,19 @@ class Scheduler:
             plan.preempted.append(request)
 
     # ---- one round ---------------------------------------------------------------------------------------
-    def schedule(self) -> RoundPlan:
+    def schedule(self, only: set[int] | None = None) -> RoundPlan:
+        """The next round's plan. ``only``: a round of these running requests alone, admitting nobody (the
+        engine re-runs a failed round request by request to find the culprit); preemption is as usual."""
         plan, budget = RoundPlan(), self.max_tokens_per_round
         order = self.policy.running_order(self.running)
+        if only is not None:
+            order = [r for r in order if r.request_id in only]
         for request in [r for r in order if r.is_decoding] + [r for r in order if not r.is_decoding]:
             if budget == 0:
                 break
             if request.status is RequestStatus.RUNNING:  # not preempted earlier in this round
                 budget -= self._schedule_running(request, budget, plan)
-        if not plan.preempted:
+        if not plan.preempted and only is None:
             budget -= self._admit(plan, budget)
         self._grant_drafts(plan, budget)
         return plan

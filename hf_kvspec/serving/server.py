@@ -6,10 +6,12 @@ Boundary: HTTP only — routes, status codes, server-sent events, the drain on S
 ``server_metrics.py``'s. Endpoints: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions``,
 ``GET /health``, ``GET /metrics`` (docs/serve.md).
 
-Status codes: 400 for a bad body or a request that can never fit (OpenAI error body naming the field), 429 with
-``Retry-After`` when ``max_queue`` choices are already in the server, 500 when the engine round serving the
-request raised (the server keeps serving the others), 503 while draining after SIGTERM. A stream that fails
-after its first chunk ends with an ``error`` event instead (the status line is already sent).
+Status codes (every error an OpenAI error body): 400 for a bad body, token ids outside the vocabulary or a
+request that can never fit (naming the field), 404 for an unknown path, 405 for a wrong method, 413 for a body
+over ``max_body_bytes``, 429 with ``Retry-After`` when ``max_queue`` choices are already in the server, 500 when
+the engine failed the request (the server keeps serving the others), 503 while draining after SIGTERM (to
+requests on connections already open: uvicorn closes the listening socket, so new connections are refused). A
+stream that fails after its first chunk ends with an ``error`` event instead (the status line is already sent).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from dataclasses import dataclass
 
 import uvicorn
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -57,6 +60,13 @@ class ServerConfig:
     max_queue: int = 256  # choices in the server at once (running + waiting); more get 429
     retry_after_s: int = 1  # the 429's Retry-After
     drain_timeout_s: float = 300.0  # after SIGTERM, running requests get this long to finish
+    max_body_bytes: int = 4 * 2**20  # a larger request body gets 413 (a 128k-token prompt is well under)
+
+    def __post_init__(self):
+        for name in ("max_queue", "max_body_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"ServerConfig.{name} must be a positive integer, got {value!r}.")
 
 
 class ServerState:
@@ -89,9 +99,19 @@ def create_app(engine, config: ServerConfig | None = None) -> Starlette:
               Route("/metrics", _metrics, methods=["GET"]),
               Route("/v1/completions", _completions, methods=["POST"]),
               Route("/v1/chat/completions", _chat_completions, methods=["POST"])]
-    app = Starlette(routes=routes, lifespan=lifespan)
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: _http_error})
     app.state.server = state
     return app
+
+
+async def _http_error(request: HttpRequest, exc: HTTPException) -> Response:
+    """Starlette's own refusals (404 unknown path, 405 wrong method) as OpenAI error bodies."""
+    kinds = {404: ("not_found_error", "unknown_url"), 405: ("invalid_request_error", "method_not_allowed")}
+    kind, code = kinds.get(exc.status_code, ("invalid_request_error", None))
+    message = {404: f"Unknown path {request.url.path}; the server has /v1/completions, /v1/chat/completions, "
+                    "/v1/models, /health and /metrics.",
+               405: f"{request.method} is not allowed on {request.url.path}."}.get(exc.status_code, str(exc.detail))
+    return _error(exc.status_code, message, kind, code=code, headers=exc.headers)
 
 
 def _log_crash(task: asyncio.Task) -> None:
@@ -140,9 +160,13 @@ async def _generate(request: HttpRequest, kind: str) -> Response:
     state = _state(request)
     if state.draining:
         return _error(503, "The server is shutting down; retry on another instance.", "server_shutting_down")
+    body = await _body(request, state.config.max_body_bytes)
+    if body is None:
+        return _error(413, f"The request body exceeds {state.config.max_body_bytes:,} bytes (serve "
+                      "--max-body-bytes).", "invalid_request_error", code="request_too_large")
     try:
-        params = parse_request(await request.body(), kind)
-        ids = _prompt_ids(params, state.engine.tokenizer)
+        params = parse_request(body, kind)
+        ids = _prompt_ids(params, state.engine.tokenizer, state.engine.vocab_size)
     except BadRequest as err:
         return _error(400, str(err), "invalid_request_error", err.param, err.code)
     if state.worker.open_choices + params.n > state.config.max_queue:
@@ -160,9 +184,23 @@ async def _generate(request: HttpRequest, kind: str) -> Response:
     return await _whole(state, params, ids, choices, request)
 
 
-def _prompt_ids(params: GenerationParams, tokenizer) -> list[int]:
+async def _body(request: HttpRequest, limit: int) -> bytes | None:
+    """The request body, or None once it is longer than ``limit`` (by its Content-Length or as it streams in)."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        return None
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            return None
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _prompt_ids(params: GenerationParams, tokenizer, vocab_size: int) -> list[int]:
     try:
-        return prompt_ids(params.prompt, tokenizer)
+        return prompt_ids(params.prompt, tokenizer, vocab_size)
     except Exception as err:  # a template that rejects the messages, ids outside the vocabulary, ...
         raise BadRequest(f"The {params.prompt_field} could not be tokenized: {err}", param=params.prompt_field,
                          code="invalid_value") from None
@@ -300,8 +338,9 @@ class DrainingServer(uvicorn.Server):
 
 def run_server(engine, config: ServerConfig, host: str = "127.0.0.1", port: int = 8000,
                log_level: str = "info") -> None:
-    """Serve until SIGTERM / SIGINT. The first signal drains: new requests are refused, running ones finish (at
-    most ``drain_timeout_s``), then the process exits with status 0."""
+    """Serve until SIGTERM / SIGINT. The first signal drains: the listening socket closes (new connections are
+    refused), requests on open connections get 503, running ones finish (at most ``drain_timeout_s``), then the
+    process exits with status 0."""
     app = create_app(engine, config)
     uv_config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
                                timeout_graceful_shutdown=config.drain_timeout_s)

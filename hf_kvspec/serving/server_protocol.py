@@ -7,8 +7,10 @@ field (``param``), which the server turns into a 400 with an OpenAI-style error 
 
 Deviations from the OpenAI API, all refused by name rather than ignored: one prompt per request (no batched
 ``prompt`` list), no ``logprobs``, ``echo``, ``suffix``, ``best_of``, penalties, ``logit_bias``, tools or
-response formats. ``temperature = 0`` is greedy decoding. With ``seed`` and ``n > 1``, choice ``i`` samples with
-seed ``seed + i``, so each choice is reproducible on its own.
+response formats. ``temperature = 0`` is greedy decoding, and so is a temperature below 1e-5 (the engine's
+``GREEDY_BELOW_TEMPERATURE``: dividing by less overflows the scores). ``seed`` is in ``0 .. 2**64 - 1``; with
+``n > 1``, choice ``i`` samples with seed ``(seed + i) mod 2**64``, so each choice is reproducible on its own.
+Chat roles are ``system``, ``developer``, ``user`` and ``assistant``.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from dataclasses import dataclass
 
 MAX_N = 16  # choices per request
 MAX_STOP = 4  # stop strings per request (OpenAI's limit)
+SEED_RANGE = 2**64  # torch.Generator seeds: 0 .. 2**64 - 1
+ROLES = ("system", "developer", "user", "assistant")
 DEFAULT_MAX_TOKENS = {"completion": 16, "chat": 256}  # OpenAI's legacy completions default is 16 tokens
 
 
@@ -58,7 +62,7 @@ class GenerationParams:
         sampled = self.temperature > 0
         return {"max_new_tokens": self.max_tokens, "do_sample": sampled,
                 "temperature": self.temperature if sampled else 1.0, "top_p": self.top_p,
-                "seed": None if self.seed is None else self.seed + choice, "stop_strings": self.stop}
+                "seed": None if self.seed is None else (self.seed + choice) % SEED_RANGE, "stop_strings": self.stop}
 
 
 # ---- parsing ---------------------------------------------------------------------------------------------
@@ -85,7 +89,8 @@ def parse_request(body: bytes, kind: str) -> GenerationParams:
     top_p = _number(data, "top_p", 1.0, lo=0.0, hi=1.0, lo_open=True)
     return GenerationParams(
         kind=kind, prompt=_messages(data) if kind == "chat" else _prompt(data), max_tokens=max_tokens,
-        temperature=temperature, top_p=top_p, seed=_integer(data, "seed", None), stop=_stop(data),
+        temperature=temperature, top_p=top_p, seed=_integer(data, "seed", None, lo=0, hi=SEED_RANGE - 1),
+        stop=_stop(data),
         n=_integer(data, "n", 1, lo=1, hi=MAX_N), stream=_boolean(data, "stream", False),
         include_usage=_stream_options(data), model=_string(data, "model", None))
 
@@ -131,8 +136,9 @@ def _string(data: Mapping, name: str, default):
 
 
 def _max_tokens(data: Mapping, kind: str) -> int:
-    name = "max_completion_tokens" if "max_completion_tokens" in data else "max_tokens"
-    return _integer(data, name, DEFAULT_MAX_TOKENS[kind], lo=1)
+    """``max_completion_tokens`` wins over ``max_tokens`` (chat), but each given one must be valid."""
+    given = _integer(data, "max_tokens", DEFAULT_MAX_TOKENS[kind], lo=1)
+    return _integer(data, "max_completion_tokens", given, lo=1)
 
 
 def _stop(data: Mapping) -> tuple[str, ...]:
@@ -150,7 +156,10 @@ def _stream_options(data: Mapping) -> bool:
     if options and not data.get("stream", False):
         raise BadRequest("'stream_options' is only allowed with 'stream': true.", param="stream_options",
                          code="invalid_value")
-    return _boolean(options, "include_usage", False)
+    value = options.get("include_usage", False)
+    if not isinstance(value, bool):
+        raise _fail("stream_options.include_usage", "true or false", value)
+    return value
 
 
 def _prompt(data: Mapping) -> str | list[int]:
@@ -177,6 +186,8 @@ def _messages(data: Mapping) -> list[dict]:
 def _message(message, where: str) -> dict:
     if not isinstance(message, dict) or not isinstance(message.get("role"), str):
         raise _fail(where, "an object with a string 'role'", message)
+    if message["role"] not in ROLES:
+        raise _fail(f"{where}.role", f"one of {', '.join(ROLES)}", message["role"])
     content = message.get("content")
     if isinstance(content, list):  # content parts: text only
         if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)

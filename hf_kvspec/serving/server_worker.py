@@ -8,9 +8,10 @@ Boundary: between the HTTP handlers and the engine. Handlers never touch the eng
 
 Under trouble:
     * a cancelled choice (a client that went away) leaves the engine at once, freeing its blocks;
-    * a round that raises (``Engine.failed_round`` names its requests) fails exactly those choices with an
-      ``Event(error=...)``, cancels them so their blocks are freed, and the loop goes on with the others. If the
-      exception came before any request was scheduled, every choice fails: retrying would raise again.
+    * a request that fails on its own (the engine re-runs a raising round request by request and ends only the
+      culprits, finish reason ERROR) fails its choice with an ``Event(error=...)``; the others go on untouched;
+    * a round that raises out of ``Engine.step`` (only before any request was scheduled) fails every open choice:
+      retrying would raise again.
 
 ``n > 1``: the first choice is added alone; when its first event arrives (its prompt is computed) the other
 choices are added with ``fork_of`` it, so they share its prompt blocks copy-on-write instead of prefilling.
@@ -24,7 +25,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from .request import RequestOutput
+from .request import FinishReason, RequestOutput
 from .server_metrics import ServerMetrics
 
 logger = logging.getLogger("hf_kvspec.serve")
@@ -153,6 +154,10 @@ class EngineWorker:
         for delta in deltas:
             choice = self._live.get(delta.request_id)
             if choice is None:  # cancelled or failed already
+                continue
+            if delta.finish_reason is FinishReason.ERROR:
+                self._end(choice, "failed", error=f"The engine failed this request: "
+                                                  f"{self.engine.get_output(delta.request_id).error}")
                 continue
             self._add_forks(delta.request_id)
             if delta.new_token_ids:

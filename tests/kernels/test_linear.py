@@ -5,6 +5,8 @@ from __future__ import annotations
 import copy
 import functools
 
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -535,19 +537,56 @@ def test_a_plan_file_spares_the_next_process_the_calibration(monkeypatch, tmp_pa
     assert second.calibration_s == 0 and _plan(net, "1000x320+bias")["2-4"] == chosen
 
 
-def test_an_unreadable_plan_file_means_calibrating_and_an_unwritable_one_a_warning(monkeypatch, tmp_path):
+BAD_PLAN_FILES = {  # issue 40 item 5: each used to crash (AttributeError) or be ignored without a word
+    "not json": "{not json",
+    "plans a string": '{"plans": "x"}',
+    "plans a list": '{"plans": ["stock"]}',
+    "a list": "[1, 2]",
+    "unknown kernel": '{"plans": {"k": "warp-drive"}}',
+    "not utf-8": b"\xff\xfe{",
+}
+
+
+@pytest.mark.parametrize("content", BAD_PLAN_FILES.values(), ids=BAD_PLAN_FILES.keys())
+def test_an_ill_typed_plan_file_warns_once_naming_it_and_recalibrates(monkeypatch, tmp_path, content):
     monkeypatch.setattr(trials, "PLANS", {})
-    broken = tmp_path / "plans.json"
-    broken.write_text("{not json")
-    assert trials.load_plans(broken) == {}
+    monkeypatch.setattr(trials, "_WARNED", set())
+    plans_file = tmp_path / "plans.json"
+    plans_file.write_bytes(content if isinstance(content, bytes) else content.encode())
+    net = _net()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with torch.no_grad(), DecodeKernels(net, plans_file=plans_file) as ctx:
+            net(torch.randn(3, 256))
+    mine = [w for w in caught if "kernel plan file" in str(w.message)]
+    assert len(mine) == 1 and str(plans_file) in str(mine[0].message)
+    assert ctx.calibration_s > 0
+    assert trials.load_plans(plans_file)  # rewritten whole with the new choices
+
+
+def test_a_plan_directory_is_an_unreadable_plan_file(monkeypatch, tmp_path):
+    monkeypatch.setattr(trials, "_WARNED", set())
+    with pytest.warns(RuntimeWarning, match=f"kernel plan file {tmp_path}.*IsADirectoryError"):
+        assert trials.load_plans(tmp_path) == {}
+
+
+def test_an_unwritable_plan_file_warns_once_and_keeps_plans_in_memory(monkeypatch, tmp_path):
+    monkeypatch.setattr(trials, "PLANS", {})
+    monkeypatch.setattr(trials, "_WARNED", set())
     blocked = tmp_path / "file"
     blocked.write_text("")
     net = _net()
-    plans_file = blocked / "plans.json"  # a file where a folder should be
-    with torch.no_grad(), pytest.warns(RuntimeWarning, match="could not store"), \
-            DecodeKernels(net, plans_file=plans_file) as ctx:
-        net(torch.randn(3, 256))
-    assert ctx.calibration_s > 0
+    plans_file = blocked / "plans.json"  # a file where a folder should be: as unwritable as a read-only folder
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        seconds = []
+        for rows in (3, 12):  # the second context calibrates another bucket: a new plan to store, a second failure
+            with torch.no_grad(), DecodeKernels(net, plans_file=plans_file) as ctx:
+                net(torch.randn(3, 256))
+                net(torch.randn(rows, 256))
+            seconds.append(ctx.calibration_s)
+    assert len([w for w in caught if "could not store" in str(w.message)]) == 1
+    assert seconds[0] > 0 and _plan(net, "1000x320+bias")["2-4"] and _plan(net, "1000x320+bias")["9-16"]
 
 
 def test_calibrate_settles_every_bucket_up_front(monkeypatch):

@@ -1,16 +1,16 @@
 """A round is all or nothing: an exception inside it (the model's forward, a logits processor) gives back the
-round's blocks, advances no request, and the next ``step()`` carries on to the same outputs. Refusals happen at
+round's blocks and advances no request; the engine runs it again request by request, so a passing failure costs
+nobody anything (same outputs). Culprits that fail alone: ``test_isolation.py``. Refusals happen at
 ``add_request``, before anything is queued."""
 
 from __future__ import annotations
-
-import contextlib
 
 import pytest
 import torch
 
 from hf_kvspec import RequestTooLongError
 from hf_kvspec.serving.engine import Engine
+from hf_kvspec.serving.request import FinishReason
 from tests.tiny_models import tiny_model
 
 from .helpers import assert_pool_full, greedy_reference, random_prompts, run_to_end
@@ -44,45 +44,56 @@ def state(engine, ids):
 
 
 @pytest.mark.parametrize("where", ["forward", "processor"])
-def test_a_failed_round_changes_nothing_and_the_engine_carries_on(llama, where):
+def test_a_passing_failure_changes_no_output(llama, where):
     prompts = random_prompts([9, 14, 5], seed=11)
     engine = Engine(llama, kv_budget=64, block_size=4, max_tokens_per_round=8, max_running=3)
-    processor = raise_once_at(6) if where == "processor" else None
-    ids = [engine.add_request(p, max_new_tokens=10, logits_processor=[processor] if processor and i == 1 else None)
-           for i, p in enumerate(prompts)]
-    handle = llama.model.layers[1].register_forward_pre_hook(raise_once_at(7)) if where == "forward" else None
+    injected = raise_once_at(6 if where == "processor" else 7)
+    calls = []
+    counted = lambda *args: (calls.append(1), injected(*args))[1]  # noqa: E731
+    ids = [engine.add_request(p, max_new_tokens=10, logits_processor=[counted] if where == "processor" and i == 1
+                              else None) for i, p in enumerate(prompts)]
+    handle = llama.model.layers[1].register_forward_pre_hook(counted) if where == "forward" else None
     try:
-        failures = 0
+        deltas = []
         while engine.has_unfinished():
-            before = state(engine, ids)
-            try:
-                engine.step()
-            except Boom:
-                failures += 1
-                assert state(engine, ids) == before
-                assert all(engine.cache.length(r.request_id) == r.num_computed for r in engine.scheduler.running)
-        assert failures == 1
+            deltas += engine.step()  # never raises: the round is re-run request by request
     finally:
         if handle is not None:
             handle.remove()
+    assert len(calls) > 7 and not any(d.finish_reason is FinishReason.ERROR for d in deltas)
     for request_id, prompt in zip(ids, prompts):
         assert engine.get_output(request_id).output_ids == greedy_reference(llama, prompt, 10)
     assert_pool_full(engine)
 
 
-def test_cancel_everything_after_a_failure_frees_every_block(llama):
+def test_a_round_undone_by_a_failure_changes_nothing(llama):
+    """``_run_round`` raising leaves every request's progress, output and K/V length as before the round."""
+    engine = Engine(llama, kv_budget=64, block_size=4, max_tokens_per_round=8, max_running=3)
+    ids = [engine.add_request(p, max_new_tokens=10) for p in random_prompts([9, 14, 5], seed=11)]
+    engine.step()
+    before = state(engine, ids)
+    handle = llama.model.layers[1].register_forward_pre_hook(raise_once_at(1))
+    try:
+        with pytest.raises(Boom):
+            engine._run_round()
+    finally:
+        handle.remove()
+    assert state(engine, ids) == before
+    assert all(engine.cache.length(r.request_id) == r.num_computed for r in engine.scheduler.running)
+
+
+def test_a_model_that_always_fails_fails_every_request_and_frees_every_block(llama):
     engine = Engine(llama, kv_budget=32, block_size=4, max_tokens_per_round=8, max_running=2)
     ids = [engine.add_request(p, max_new_tokens=8) for p in random_prompts([11, 6, 7], seed=12)]
     engine.step()
-    handle = llama.model.layers[0].register_forward_pre_hook(raise_once_at(1))
+    handle = llama.model.layers[0].register_forward_pre_hook(lambda *args: (_ for _ in ()).throw(Boom("broken")))
     try:
-        with pytest.raises(Boom):
-            engine.step()
+        run_to_end(engine)
     finally:
         handle.remove()
-    for request_id in ids:
-        engine.cancel(request_id)
-    assert not engine.has_unfinished()
+    outputs = [engine.get_output(request_id) for request_id in ids]
+    assert [o.finish_reason for o in outputs] == [FinishReason.ERROR] * 3
+    assert all("Boom: broken" in o.error for o in outputs)
     assert_pool_full(engine)
 
 
@@ -94,9 +105,7 @@ def test_seeded_sampling_survives_a_failed_round(llama):
         engine = Engine(llama, kv_budget=32, block_size=4, max_tokens_per_round=8, max_running=2)
         processor = raise_once_at(4) if inject else (lambda ids, scores: scores)
         rid = engine.add_request(prompt, max_new_tokens=8, do_sample=True, seed=5, logits_processor=[processor])
-        while engine.has_unfinished():
-            with contextlib.suppress(Boom):
-                engine.step()
+        run_to_end(engine)
         outputs.append(engine.get_output(rid).output_ids)
     assert outputs[0] == outputs[1]
 

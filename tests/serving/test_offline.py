@@ -75,13 +75,17 @@ def test_jsonl_batch_round_trip(llama, tmp_path):
     source = tmp_path / "prompts.jsonl"
     source.write_text("\n".join(json.dumps(line) for line in lines) + "\n\n")
     engine = Engine(llama, CharTokenizer(), kv_budget=32, block_size=4)
-    results = run_requests(engine, read_requests(source), {"max_new_tokens": 5}, progress_bar=False)
-    assert [r["id"] for r in results] == [1, "b", 3]
-    assert results[0]["output_ids"] == greedy_reference(llama, prompts[0], 5)
-    assert results[1]["output_ids"] == greedy_reference(llama, prompts[1], 3)
-    assert len(results[2]["output_ids"]) == 5 and results[2]["finish_reason"] == "length"
+    written = []
+    results = run_requests(engine, read_requests(source), {"max_new_tokens": 5}, progress_bar=False,
+                           on_result=written.append)
+    assert written == results and sorted(map(str, (r["id"] for r in results))) == ["1", "3", "b"]
+    assert results[0]["id"] == "b"  # in the order they finish: the 3-token request first
+    by_id = {r["id"]: r for r in results}
+    assert by_id[1]["output_ids"] == greedy_reference(llama, prompts[0], 5)
+    assert by_id["b"]["output_ids"] == greedy_reference(llama, prompts[1], 3)
+    assert len(by_id[3]["output_ids"]) == 5 and by_id[3]["finish_reason"] == "length"
     write_results(tmp_path / "out.jsonl", results)
-    assert [json.loads(x)["id"] for x in (tmp_path / "out.jsonl").read_text().splitlines()] == [1, "b", 3]
+    assert [json.loads(x)["id"] for x in (tmp_path / "out.jsonl").read_text().splitlines()] == ["b", 1, 3]
 
 
 @pytest.mark.parametrize("line,fragment", [
@@ -89,13 +93,33 @@ def test_jsonl_batch_round_trip(llama, tmp_path):
     ('{"text": "a"}', "exactly one of"),
     ('{"prompt": "a", "temp": 1}', "unknown field"),
     ("{not json", "not valid JSON"),
+    ('{"prompt": "a", "temperature": "hot"}', '"temperature" must be a finite number >= 0'),
+    ('{"prompt": "a", "temperature": -1}', '"temperature" must be a finite number >= 0'),
+    ('{"prompt": "a", "stop": ""}', '"stop" must be a non-empty string'),
+    ('{"prompt": "a", "stop": ["x", ""]}', '"stop" must be a non-empty string'),
+    ('{"prompt": "a", "max_new_tokens": 0}', "max_new_tokens must be an integer >= 1"),
+    ('{"prompt": "a", "seed": -3, "temperature": 1}', "seed must be an integer"),
+    ('{"prompt": "a", "top_p": 2}', "top_p must be in (0, 1]"),
+    ('{"input_ids": [3, -1]}', '"input_ids" must be a non-empty list of non-negative integers'),
+    ('{"messages": [{"role": "user"}]}', '"messages" must be a non-empty list'),
+    ('{"prompt": ""}', '"prompt" must be a non-empty string'),
+    ('{"prompt": "a", "id": 1}', "id 1 is also line 1's"),
+    ('{"prompt": "a", "id": [1]}', '"id" must be a string or an integer'),
 ])
 def test_malformed_lines_name_the_line(tmp_path, line, fragment):
     source = tmp_path / "p.jsonl"
     source.write_text('{"prompt": "ok"}\n' + line + "\n")
-    with pytest.raises(ValueError, match=fragment) as err:
+    with pytest.raises(ValueError) as err:
         read_requests(source)
-    assert "p.jsonl:2" in str(err.value)
+    assert fragment in str(err.value) and "p.jsonl:2" in str(err.value)
+
+
+def test_every_bad_line_is_reported_at_once(tmp_path):
+    source = tmp_path / "p.jsonl"
+    source.write_text('{"prompt": "ok"}\n{"prompt": 1}\n\n{"text": 2}\n{"prompt": "x", "stop": ""}\n')
+    with pytest.raises(ValueError) as err:
+        read_requests(source)
+    assert [line.split(": ")[0] for line in str(err.value).splitlines()] == [f"{source}:{n}" for n in (2, 4, 5)]
 
 
 @pytest.mark.parametrize("flags, fragment", [

@@ -31,12 +31,28 @@ SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
     (["serve", "m", "--max-running", "64", "--max-tokens-per-round", "32"], "--max-running 64"),
     (["serve", "m", "--port", "-1"], "needs an integer >= 0"),
     (["serve", "m", "--kv-budget", "lots"], "--kv-budget"),
+    (["serve", "m", "--port", "99999"], "needs a TCP port in 0..65535, got 99999"),
+    (["serve", "m", "--kv-budget", "-1GB"], "--kv-budget -1GB: needs a value >= 0"),
+    (["serve", "m", "--kv-budget=-1GB"], "needs a positive size"),
+    (["serve", "m", "--max-body-bytes", "0"], "needs a positive size"),
 ])
 def test_bad_serve_arguments_exit_2_naming_the_fix(argv, message, capsys):
     with pytest.raises(SystemExit) as caught:
         main(argv)
     assert caught.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_busy_port_is_refused_before_the_model_loads(capsys, monkeypatch):
+    import socket
+
+    import transformers
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained",
+                        lambda *a, **k: pytest.fail("the model loaded before the port was checked"))
+    with socket.create_server(("127.0.0.1", 0)) as busy, pytest.raises(SystemExit) as caught:
+        main(["serve", "some/model", "--port", str(busy.getsockname()[1])])
+    assert caught.value.code == 2 and "cannot listen on --host 127.0.0.1" in capsys.readouterr().err
 
 
 def test_a_speculating_engine_serves_greedy_output_equal_to_generate():

@@ -85,6 +85,12 @@ BAD_BODIES = [
     ({"prompt": "t7", "n": 0}, "n", "invalid_value"),
     ({"prompt": "t7", "n": True}, "n", "invalid_value"),
     ({"prompt": "t7", "seed": "1"}, "seed", "invalid_value"),
+    ({"prompt": "t7", "seed": 2**64}, "seed", "invalid_value"),
+    ({"prompt": "t7", "seed": -1}, "seed", "invalid_value"),
+    ({"prompt": "t7", "stream": True, "stream_options": {"include_usage": "yes"}}, "stream_options.include_usage",
+     "invalid_value"),
+    ({"prompt": [7, 500]}, "prompt", "invalid_value"),
+    ({"prompt": [7, 96]}, "prompt", "invalid_value"),
     ({"prompt": "t7", "stop": 5}, "stop", "invalid_value"),
     ({"prompt": "t7", "stop": ["a", "b", "c", "d", "e"]}, "stop", "invalid_value"),
     ({"prompt": "t7", "stream": "yes"}, "stream", "invalid_value"),
@@ -102,6 +108,8 @@ BAD_CHATS = [
     ({"messages": [{"content": "t7"}]}, "messages[0]"),
     ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
     ({"messages": [{"role": "user", "content": "t7"}], "max_completion_tokens": 0}, "max_completion_tokens"),
+    ({"messages": [{"role": "wizard", "content": "t7"}]}, "messages[0].role"),
+    ({"messages": [{"role": "user", "content": "t7"}], "max_tokens": -1, "max_completion_tokens": 4}, "max_tokens"),
 ]
 
 
@@ -293,3 +301,43 @@ def test_sigterm_drains_requests_in_flight_refuses_new_ones_and_exits(model, tok
     for name, prompt in (("a", tokenizer(PROMPT)["input_ids"]), ("b", [40, 41, 42])):
         reference = greedy_ids(model, prompt, 40)
         assert texts[name] == (tokenizer.decode(reference), "length")
+
+
+def test_unknown_paths_and_methods_get_openai_error_bodies(server):
+    status, _, reply = server.raw("GET", "/v1/nothing")
+    assert status == 404 and error_of(reply)["code"] == "unknown_url" and "/v1/nothing" in error_of(reply)["message"]
+    status, headers, reply = server.raw("GET", "/v1/completions")
+    assert status == 405 and error_of(reply)["code"] == "method_not_allowed"
+    assert error_of(reply)["type"] == "invalid_request_error"
+
+
+def test_a_body_over_the_limit_is_a_413(model, tokenizer):
+    with serve(model, tokenizer, max_body_bytes=1000) as small:
+        status, _, reply = small.raw("POST", "/v1/completions", json.dumps({"prompt": "t7 " * 400, "max_tokens": 1}))
+        assert status == 413 and error_of(reply)["code"] == "request_too_large"
+        status, _, reply = small.raw("POST", "/v1/completions", json.dumps({"prompt": "t7 t8", "max_tokens": 2}))
+        assert status == 200
+    with pytest.raises(ValueError, match="max_body_bytes"):
+        ServerConfig(max_body_bytes=0)
+
+
+def test_seed_forks_wrap_instead_of_overflowing(server):
+    """``seed: 2**64 - 1`` with ``n: 2``: choice 1's seed wraps to 0 (it overflowed torch's seed range)."""
+    body = {"prompt": "t7 t8 t9", "max_tokens": 4, "temperature": 1.0, "seed": 2**64 - 1, "n": 2}
+    status, _, reply = server.raw("POST", "/v1/completions", json.dumps(body))
+    assert status == 200 and len(json.loads(reply)["choices"]) == 2
+    alone = {"prompt": "t7 t8 t9", "max_tokens": 4, "temperature": 1.0, "seed": 0}
+    status, _, single = server.raw("POST", "/v1/completions", json.dumps(alone))
+    assert json.loads(reply)["choices"][1]["text"] == json.loads(single)["choices"][0]["text"]
+
+
+def test_an_underflowing_temperature_is_greedy_and_harms_no_other_stream(server, model, tokenizer):
+    """Issue 40: ``temperature: 1e-40`` made NaN probabilities and failed every stream in its round."""
+    client = server.client()
+    with no_leaks(server):
+        stream = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0, stream=True)
+        first = next(iter(stream))
+        tiny = client.completions.create(model="tiny", prompt="t7 t8", max_tokens=5, temperature=1e-40)
+        text = first.choices[0].text + "".join(chunk.choices[0].text for chunk in stream)
+    assert tiny.kvspec["choices"][0]["token_ids"] == greedy_ids(model, [7, 8], 5)
+    assert text == tokenizer.decode(greedy_ids(model, tokenizer(PROMPT)["input_ids"], 12))

@@ -176,7 +176,8 @@ def test_drafts_count_in_the_budget_and_crowded_rounds_grant_fewer(llama):
 
 def test_a_failed_round_drops_its_drafters_and_the_engine_carries_on(llama):
     """A logits processor raises once in a speculative round: nothing advances, the drafter sessions of that
-    round are dropped and begin again later; every output is still the plain greedy one."""
+    round are dropped and begin again later (the round is re-run request by request, where the passing failure
+    does not recur); every output is still the plain greedy one."""
     calls = {"n": 0}
 
     def flaky(input_ids, scores):
@@ -190,10 +191,10 @@ def test_a_failed_round_drops_its_drafters_and_the_engine_carries_on(llama):
                     assistant=make_assistant("eagle", llama))
     ids = [engine.add_request(p, max_new_tokens=12, logits_processor=[flaky] if i == 1 else ())
            for i, p in enumerate(prompts)]
-    with pytest.raises(RuntimeError, match="flaky"):
-        run_to_end(engine)
-    assert ids[1] not in engine.drafters.sessions
-    run_to_end(engine)
+    dropped, drop = [], engine.drafters.drop
+    engine.drafters.drop = lambda request: (dropped.append((calls["n"], request.request_id)), drop(request))[1]
+    run_to_end(engine)  # never raises: the culprit's own re-run succeeds
+    assert calls["n"] > 12 and (12, ids[1]) in dropped
     check_outputs(engine, llama, ids, prompts, 12)
     assert_pool_full(engine)
 
