@@ -32,17 +32,18 @@ class DraftModelAssistant(Assistant):
     """``DraftModelAssistant(draft_model, num_draft_tokens=4)``: chain drafts from a small same-tokenizer LM.
 
     ``num_draft_tokens`` is K per round, or ``"auto"`` to adapt it from measured acceptance and cost.
-    ``sample_drafts=False`` drafts the draft's argmax even when the call samples; the drafts are then verified
+    ``fast_forward`` chooses the draft model's forward as ``speculative_generate``'s does the target's (None: the
+    fast forward where it applies and pays). ``sample_drafts=False`` drafts the draft's argmax even when the call samples; the drafts are then verified
     as point masses (still exact; usually lower acceptance than rejection sampling against sampled drafts).
     """
 
     can_drop_rows = True
 
     def __init__(self, draft_model, num_draft_tokens: int | str = 4, max_draft_tokens: int = 16,
-                 sample_drafts: bool = True, fast_forward: bool | None = None, draft_weights: str = "fp32"):
+                 sample_drafts: bool = True, fast_forward: bool | None = None):
         super().__init__(num_draft_tokens, max_draft_tokens)
         self.sample_drafts = sample_drafts
-        self.fast_forward, self.draft_weights = fast_forward, draft_weights
+        self.fast_forward = fast_forward
         if not isinstance(draft_model, torch.nn.Module) or not hasattr(draft_model, "config"):
             raise TypeError(f"draft_model must be a loaded transformers causal LM, got {type(draft_model).__name__}; "
                             "load one with AutoModelForCausalLM.from_pretrained(...), or pass a spec such as "
@@ -71,10 +72,8 @@ class DraftModelAssistant(Assistant):
                              "DraftModelAssistant needs a draft model with the same tokenizer.")
 
     def _draft_forward(self):
-        from hf_kvspec.forward.runner import FastForward, choose_forward
+        from hf_kvspec.forward.runner import choose_forward
 
-        if self.draft_weights != "fp32":
-            return FastForward(self.model, weights=self.draft_weights)
         forward = choose_forward(self.model, self.fast_forward)
         return forward if forward.supports(self.cache) else choose_forward(self.model, False)
 
