@@ -31,8 +31,9 @@ class CacheAttention:
 
     def __call__(self, index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         keys, values = self.cache.update(k, v, index)  # [B, Hkv, S, D] each
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=self.mask, scale=self.scaling,
-                                              enable_gqa=q.shape[1] != keys.shape[1])
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=self.mask, scale=self.scaling,
+                                             enable_gqa=q.shape[1] != keys.shape[1])  # [B, Hq, T, D]
+        return out.transpose(1, 2)  # [B, T, Hq, D]
 
 
 def attention_bias(attention_mask: torch.Tensor | None, tokens: int, past: int) -> torch.Tensor | None:

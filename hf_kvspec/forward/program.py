@@ -23,15 +23,15 @@ import torch.nn.functional as F
 
 from hf_kvspec.forward.packed import Dims, PackedLayer, PackedModel
 
-#: ``attend(layer_index, q [B, Hq, T, D], k [B, Hkv, T, D], v [B, Hkv, T, D]) -> [B, Hq, T, D]``: stores the new
-#: keys/values and attends over the cached ones plus them
+#: ``attend(layer_index, q [B, Hq, T, D], k [B, Hkv, T, D], v [B, Hkv, T, D]) -> [B, T, Hq, D]``: stores the new
+#: keys/values and attends over the cached ones plus them (the output layout of transformers' attention functions)
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def forward(packed: PackedModel, input_ids: torch.Tensor, position_ids: torch.Tensor, attend: Attend,
-            logits_to_keep: int = 0, feature_layers: Sequence[int] | None = None):
+            logits_to_keep: int | torch.Tensor = 0, feature_layers: Sequence[int] | None = None):
     """``input_ids``/``position_ids`` [B, T] -> (logits [B, K, V] of the last ``K = logits_to_keep`` tokens (all
-    when 0), features [B, T, C] or None). ``feature_layers`` index hidden states as transformers'
+    when 0) or of the columns a 1D ``logits_to_keep`` tensor lists, features [B, T, C] or None). ``feature_layers`` index hidden states as transformers'
     ``output_hidden_states`` does: 0 the embeddings, ``i`` the output of layer ``i - 1``, ``L`` / ``-1`` the final
     norm's output."""
     count = len(packed.layers)
@@ -46,12 +46,21 @@ def forward(packed: PackedModel, input_ids: torch.Tensor, position_ids: torch.Te
             states[index + 1] = hidden
     hidden = rms_norm(hidden, packed.norm, packed.dims.eps)
     states[count] = hidden
-    batch, tokens, width = hidden.shape
-    keep = tokens if logits_to_keep in (0, None) else min(logits_to_keep, tokens)
-    last = hidden[:, tokens - keep:].reshape(batch * keep, width)  # [B K, E]
-    logits = packed.lm_head(last).view(batch, keep, -1)  # [B, K, V]
+    kept = _kept_columns(hidden, logits_to_keep)  # [B, K, E]
+    batch, keep, width = kept.shape
+    logits = packed.lm_head(kept.reshape(batch * keep, width))  # [B K, V]
+    logits = logits.view(batch, keep, logits.shape[-1])  # [B, K, V] (K may be 0: nothing sampled this round)
     features = torch.cat([states[i] for i in wanted], dim=-1) if wanted else None  # [B, T, C]
     return logits, features
+
+
+def _kept_columns(hidden: torch.Tensor, logits_to_keep: int | torch.Tensor) -> torch.Tensor:
+    """The columns of ``hidden`` [B, T, E] whose logits are wanted (as transformers reads ``logits_to_keep``)."""
+    if isinstance(logits_to_keep, torch.Tensor):
+        return hidden[:, logits_to_keep]
+    tokens = hidden.shape[1]
+    keep = tokens if not logits_to_keep else min(logits_to_keep, tokens)
+    return hidden[:, tokens - keep:]
 
 
 def decoder_layer(layer: PackedLayer, dims: Dims, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -69,8 +78,8 @@ def attention_block(layer: PackedLayer, dims: Dims, normed: torch.Tensor, cos: t
     heads = qkv.view(batch, tokens, dims.heads + 2 * dims.kv_heads, dims.head_dim).transpose(1, 2)
     rotated = rotate(heads[:, : dims.heads + dims.kv_heads], cos, sin)  # q and k in one pass: [B, Hq + Hkv, T, D]
     q, k = rotated.split([dims.heads, dims.kv_heads], dim=1)
-    out = attend(q, k, heads[:, dims.heads + dims.kv_heads:])  # [B, Hq, T, D]
-    return layer.o(out.transpose(1, 2).reshape(batch * tokens, dims.heads * dims.head_dim)).view(batch, tokens, -1)
+    out = attend(q, k, heads[:, dims.heads + dims.kv_heads:])  # [B, T, Hq, D]
+    return layer.o(out.reshape(batch * tokens, dims.heads * dims.head_dim)).view(batch, tokens, -1)
 
 
 def mlp_block(layer: PackedLayer, normed: torch.Tensor) -> torch.Tensor:

@@ -101,9 +101,17 @@ class FastForward:
             start = cache.get_seq_length()
             positions = torch.arange(start, start + input_ids.shape[1]).expand(input_ids.shape[0], -1)
         attend = CacheAttention(cache, inputs.get("attention_mask"), input_ids.shape[1], self.packed.dims.scaling)
-        logits, features = program.forward(self.packed, input_ids, positions, attend,
-                                           inputs.get("logits_to_keep") or 0, feature_layers)
+        logits, features = self.run(input_ids, positions, attend, inputs.get("logits_to_keep") or 0, feature_layers)
         return logits, features, cache
+
+    def run(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attend: program.Attend,
+            logits_to_keep: int | torch.Tensor = 0, feature_layers: Sequence[int] | None = None):
+        """The program with a caller's attention (the engine's over its paged cache): ``program.forward``."""
+        return program.forward(self.packed, input_ids, position_ids, attend, logits_to_keep, feature_layers)
+
+    @property
+    def scaling(self) -> float:
+        return self.packed.dims.scaling
 
     def report(self) -> dict:
         return {"forward": self.name, "weights": self.weights, "packed_bytes": self.packed.bytes_held(),

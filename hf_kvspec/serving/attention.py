@@ -249,6 +249,21 @@ def ragged_attention_forward(
     return ragged_attention(query, key, value, view, scaling, softcap, sliding_window), None
 
 
+class RaggedAttend:
+    """The fast forward's attention callback (``hf_kvspec.forward.program.Attend``) over the engine's
+    ``RaggedPagedCache``: each layer scatters its new K/V through the cache's ``update`` (which hands the packed
+    layout over, as for ``kvspec_ragged``) and attends with ``ragged_attention``."""
+
+    def __init__(self, cache, scaling: float):
+        self.cache, self.scaling = cache, scaling
+
+    def __call__(self, index: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        kwargs: dict = {}
+        key_pages, value_pages = self.cache.update(key, value, index, kwargs=kwargs)  # [N, P, Hkv, D] each
+        view = stored_kv.take(kwargs, RaggedKV)
+        return ragged_attention(query, key_pages, value_pages, view, self.scaling)  # [1, T, Hq, D]
+
+
 def register_ragged_attention() -> None:
     """Register ``kvspec_ragged`` (the reader of ``RaggedKV``) with ``AttentionInterface`` (no mask function, see
     the module docstring). Idempotent; the engine calls it when it is built."""

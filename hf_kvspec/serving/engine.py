@@ -88,11 +88,15 @@ class Engine:
             model, Medusa, EAGLE) or a spec string (``"ngram"``, ``"eagle"``, ``"medusa"``, ``"draft:<dir>"``).
         num_draft_tokens: drafts (tree nodes) per request per round at most; default the assistant's own size
             (``drafting.AUTO_DRAFT_TOKENS`` for ``"auto"``). The token budget may grant fewer.
+        fast_forward: the rounds' packed forward on ``hf_kvspec.forward``'s fast forward (packed weight copies):
+            ``None`` where it applies and pays (fp32 Llama-family models on CPU), ``True`` or an error naming why
+            not, ``False`` the model's own forward (the reference).
     """
 
     def __init__(self, model, tokenizer=None, *, kv_budget: int | str = "256MB", block_size: int = 16,
                  max_tokens_per_round: int = 256, max_running: int = 16, policy: SchedulingPolicy | None = None,
-                 enable_prefix_caching: bool = True, assistant=None, num_draft_tokens: int | None = None):
+                 enable_prefix_caching: bool = True, assistant=None, num_draft_tokens: int | None = None,
+                 fast_forward: bool | None = None):
         for name, value in (("block_size", block_size), ("max_tokens_per_round", max_tokens_per_round),
                             ("max_running", max_running)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -102,7 +106,7 @@ class Engine:
         num_blocks = RaggedPagedCache.blocks_for(model.config, kv_budget, block_size, model.dtype, model.device)
         self.cache = RaggedPagedCache(model.config, num_blocks, block_size, enable_prefix_caching, model.dtype)
         self.scheduler = Scheduler(self.cache, policy or SchedulingPolicy(), max_tokens_per_round, max_running)
-        self.runner = ForwardRunner(model, self.cache)
+        self.runner = ForwardRunner(model, self.cache, fast_forward=fast_forward)
         self.stats = EngineStats()
         self._requests: dict[int, Request] = {}
         self._lock = threading.RLock()  # public methods take turns (``_locked``); reentrant for ``stream``

@@ -33,7 +33,7 @@ from hf_kvspec import _compat
 from hf_kvspec.cache.ragged import RaggedPagedCache, RaggedRow
 from hf_kvspec.speculative.drafters.features import FeatureCapture
 
-from .attention import ATTN_NAME
+from .attention import ATTN_NAME, RaggedAttend
 from .scheduler import ScheduledRow
 
 
@@ -79,6 +79,14 @@ def kernels_apply(model) -> bool:
     return weight is not None and weight.device.type == "cpu" and weight.dtype == torch.float32
 
 
+def _fast_forward(model, fast: bool | None):
+    """The model's fast forward (``hf_kvspec.forward``), or None where the engine runs the model's own."""
+    from hf_kvspec.forward.runner import choose_forward
+
+    forward = choose_forward(model, fast)
+    return forward if forward.name == "fast" else None
+
+
 def _kernels_for(model):
     """A (not yet opened) ``DecodeKernels`` over ``model`` that routes only inside ``routing()`` blocks and shares
     the kernel choices ``speculative_generate`` remembers on disk."""
@@ -96,16 +104,21 @@ class ForwardRunner:
             kernels (slow; the oracle the fast path is tested against).
         decode_kernels: route the forward's ``F.linear`` calls through ``hf_kvspec.DecodeKernels`` (prepacked
             weights: a round's few decode rows and its few logits rows, the LM head above all, run faster than
-            with stock MKL, which repacks the weight per call). ``None``: on for fp32 models on CPU, unless
-            ``reference``. Outputs differ from stock only by fp32 summation order.
+            with stock MKL, which repacks the weight per call). ``None``: on for fp32 models on CPU that do not run
+            the fast forward, unless ``reference``. Outputs differ from stock only by fp32 summation order.
+        fast_forward: run the packed forward on ``hf_kvspec.forward``'s fast forward (packed weight copies; the
+            model's own forward stays the reference): ``None`` where it applies and pays, ``True`` or an error
+            naming why not, ``False`` never. Off under ``reference``.
     """
 
-    def __init__(self, model, cache: RaggedPagedCache, reference: bool = False, decode_kernels: bool | None = None):
+    def __init__(self, model, cache: RaggedPagedCache, reference: bool = False, decode_kernels: bool | None = None,
+                 fast_forward: bool | None = None):
         self.model, self.cache = model, cache
         self.device = model.device
         self.reference = reference
+        self.fast = None if reference or fast_forward is False else _fast_forward(model, fast_forward)
         if decode_kernels is None:
-            decode_kernels = not reference and kernels_apply(model)
+            decode_kernels = not reference and self.fast is None and kernels_apply(model)
         self.kernels = _kernels_for(model) if decode_kernels else None
 
     def pack(self, rows: Sequence[ForwardRow]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -131,6 +144,11 @@ class ForwardRunner:
         input_ids, position_ids, logits_columns = self.pack(rows)
         self.cache.begin_forward([RaggedRow(r.seq_id, r.start, len(r.token_ids), r.new_token_mask) for r in rows],
                                  self.device, reference=self.reference)
+        if self.fast is not None:
+            with torch.no_grad(), ragged_attention_switched(self.model):
+                logits, features = self.fast.run(input_ids, position_ids, RaggedAttend(self.cache, self.fast.scaling),
+                                                 logits_columns, feature_layers)
+            return logits[0], None if features is None else features[0]
         capture = FeatureCapture(self.model, feature_layers) if feature_layers else nullcontext()
         # no_grad, not inference_mode: pages made inside inference mode could not be copied (copy-on-write) outside it
         with torch.no_grad(), ragged_attention_switched(self.model), self._kernels(routing=True), capture:

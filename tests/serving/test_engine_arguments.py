@@ -161,7 +161,7 @@ def test_a_corrupt_plan_file_costs_the_engine_one_warning(llama, tmp_path, monke
     monkeypatch.setenv("HF_KVSPEC_CACHE", str(tmp_path))
     monkeypatch.setattr(trials, "_WARNED", set())
     (tmp_path / "decode_kernel_plans.json").write_text('{"plans": "x"}')
-    engine = Engine(llama, kv_budget=32, block_size=4)
+    engine = Engine(llama, kv_budget=32, block_size=4, fast_forward=False)  # the kernels run the model's forward
     prompt = random_prompts([6], seed=34)[0]
     with pytest.warns(RuntimeWarning, match="decode_kernel_plans.json"):
         output = engine.generate_batch([prompt], progress_bar=False, max_new_tokens=4)[0]

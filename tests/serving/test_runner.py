@@ -117,16 +117,21 @@ def mixed_rounds(runner, cache, prompts):
     return rounds
 
 
-@pytest.mark.parametrize("kind", ["llama", "gemma2"])  # gemma2: sliding-window layers and soft-capping
-def test_fast_forwards_match_the_reference_path(kind):
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "gemma2"])  # gemma2: sliding-window layers and soft-capping
+@pytest.mark.parametrize("fast_forward", [None, False])
+def test_fast_forwards_match_the_reference_path(kind, fast_forward):
+    """The fast paths (the fast forward where it applies, else decode kernels + grouped ragged attention) against
+    the reference (the model's own forward, stock linears, row-by-row attention)."""
     model = tiny_model(kind)
     register_ragged_attention()
     prompts = random_prompts([11, 19, 3], seed=41)
     runs = []
     for reference in (False, True):
         cache = RaggedPagedCache(model.config, num_blocks=32, block_size=4)
-        runner = ForwardRunner(model, cache, reference=reference)
-        assert (runner.kernels is None) == reference  # the reference keeps torch's stock linear kernels
+        runner = ForwardRunner(model, cache, reference=reference, fast_forward=None if reference else fast_forward)
+        fast = not reference and fast_forward is None and kind != "gemma2"  # gemma2 keeps the model's forward
+        assert (runner.fast is not None) == fast
+        assert (runner.kernels is None) == (reference or fast)  # the fast forward reads its own packed copies
         runs.append(mixed_rounds(runner, cache, prompts))
     for fast, reference in zip(*runs):
         torch.testing.assert_close(fast, reference, **TOL)
@@ -143,7 +148,7 @@ def test_decode_kernels_route_the_forward_and_match_stock(llama):
     runs = []
     for kernels in (DecodeKernels(llama, route_on_enter=False, min_weight_elements=0, force=kernel), None):
         cache = RaggedPagedCache(llama.config, num_blocks=32, block_size=4)
-        runner = ForwardRunner(llama, cache, decode_kernels=False)
+        runner = ForwardRunner(llama, cache, decode_kernels=False, fast_forward=False)
         runner.kernels = kernels
         with runner.held_across_rounds():
             runs.append(mixed_rounds(runner, cache, prompts))
