@@ -227,8 +227,12 @@ def _check_call(x: torch.Tensor, qweight: QuantizedWeight, bias: torch.Tensor | 
     if (type(x) is torch.Tensor and x.dtype is torch.float32 and x.is_cpu and x.dim() == 2
             and x.shape[1] == in_features and x.is_contiguous()
             and (bias is None or (bias.dtype is torch.float32 and bias.is_cpu and bias.shape == (out_features,)
-                                  and bias.is_contiguous()))):
+                                  and bias.is_contiguous()))
+            and not _needs_grad(x, bias)):
         return
+    if _needs_grad(x, bias):
+        raise ValueError("qlinear has no backward, but x or bias requires grad with grad mode on: call it under "
+                         "torch.no_grad() / torch.inference_mode(), or use F.linear(x, dequantize(qweight), bias).")
     if not isinstance(x, torch.Tensor) or x.dtype != torch.float32 or not x.is_cpu or x.dim() != 2:
         got = f"{type(x).__name__} {getattr(x, 'dtype', '')} {tuple(getattr(x, 'shape', ()))}"
         raise ValueError(f"x must be an fp32 CPU tensor [rows, {in_features}] (flatten leading dims with "
@@ -241,10 +245,15 @@ def _check_call(x: torch.Tensor, qweight: QuantizedWeight, bias: torch.Tensor | 
                      f"{tuple(bias.shape)} (pass bias.float().contiguous()).")
 
 
+def _needs_grad(x: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    return torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad))
+
+
 def qlinear(x: torch.Tensor, qweight: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x`` [R, I] fp32 contiguous -> [R, O] fp32 = ``F.linear(x, dequantize(qweight), bias)`` up to rounding.
 
-    No autograd (the output does not require grad). Raises ``KernelBuildError`` when the kernel cannot be built.
+    No autograd: refused when ``x`` or ``bias`` requires grad with grad mode on. Raises ``KernelBuildError`` when
+    the kernel cannot be built.
     """
     _check_call(x, qweight, bias)
     return _launch(_kernels(), x, qweight, bias)

@@ -170,6 +170,18 @@ def test_bad_calls_are_refused(x, bias, match):
         qlinear(x, q, bias)
 
 
+@needs_compiler
+def test_calls_that_need_a_backward_are_refused():
+    q = quantize_int8(torch.randn(6, 32))
+    x, bias = torch.randn(2, 32, requires_grad=True), torch.nn.Parameter(torch.randn(6))
+    with pytest.raises(ValueError, match="no backward"):
+        qlinear(x, q)
+    with pytest.raises(ValueError, match="no backward"):
+        qlinear(x.detach(), q, bias)
+    with torch.no_grad():  # an nn.Linear's bias Parameter is fine where no graph is built
+        torch.testing.assert_close(qlinear(x, q, bias), F.linear(x, dequantize(q), bias), rtol=1e-5, atol=1e-5)
+
+
 # --- the compile cache ------------------------------------------------------------------------------------------
 
 @needs_compiler
