@@ -7,8 +7,9 @@ use by ``build.py``); ``dequantize`` is the plain reference, and ``F.linear(x, d
 ``nn.Module``; swapping layers of a model is the caller's business.
 
 Why: a decode step on CPU is bound by reading weights. Keeping them in 8 or 4 bits and widening them to fp32 in
-registers reads about 1/4 (int8) or 1/6 (int4, group 32, with its scales) of the fp32 bytes per call; activations, accumulation and outputs stay fp32
-(weight-only), so the only error is the weights' rounding, which ``dequantize`` shows exactly.
+registers reads about 1/4 (int8) or 1/6 (int4, group 32, with its scales) of the fp32 bytes per call;
+activations, accumulation and outputs stay fp32 (weight-only), so the only error is the weights' rounding, which
+``dequantize`` shows exactly.
 
 Formats (``q`` the stored code):
     int8   W[o, i] = q[o, i] * scale[o]                      q in -127..127, scale = max|W[o]| / 127 (fp32)
