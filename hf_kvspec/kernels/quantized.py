@@ -59,6 +59,16 @@ class QuantizedWeight:
     scales: torch.Tensor
     offsets: torch.Tensor | None = None
 
+    def __post_init__(self) -> None:
+        """The kernel trusts these shapes blindly (it reads raw pointers), so they are checked once, here."""
+        expected = _layout(self.bits, self.shape, self.group_size)
+        tensors = {"codes": self.codes, "scales": self.scales, "offsets": self.offsets}
+        got = {name: None if t is None else (tuple(t.shape), t.dtype) for name, t in tensors.items()}
+        if got != expected or not all(t is None or (t.is_contiguous() and t.is_cpu) for t in tensors.values()):
+            raise ValueError(f"QuantizedWeight tensors do not match a {self.bits}-bit {self.shape} weight "
+                             f"(group {self.group_size}): expected contiguous CPU {expected}, got {got}. Build it "
+                             f"with quantize_int8 / quantize_int4.")
+
     @property
     def nbytes(self) -> int:
         """Bytes held by the packed tensors (what a call reads)."""
@@ -71,6 +81,21 @@ class QuantizedWeight:
         if self.bits == 8:
             return "int8"
         return f"int4-g{self.group_size}" + ("-sym" if self.symmetric else "")
+
+
+def _layout(bits: int, shape: tuple[int, int], group_size: int) -> dict:
+    """name -> (shape, dtype) of the packed tensors of a ``bits``-bit weight of ``shape`` (see QuantizedWeight)."""
+    out_features, in_features = shape
+    blocks = -(-out_features // ROW_BLOCK)
+    if bits == 8:
+        chunks = -(-in_features // 8)
+        return {"codes": ((blocks, chunks, ROW_BLOCK, 8), torch.int8), "scales": ((blocks * ROW_BLOCK,), torch.float32),
+                "offsets": None}
+    if bits != 4 or group_size <= 0 or group_size % INT4_BLOCK or in_features % group_size:
+        return {"bits": bits, "group_size": group_size}  # matches nothing: refused
+    groups = ((blocks, in_features // group_size, ROW_BLOCK), torch.float16)
+    return {"codes": ((blocks, in_features // INT4_BLOCK, ROW_BLOCK, INT4_BLOCK // 2), torch.uint8),
+            "scales": groups, "offsets": groups}
 
 
 # --- quantize / dequantize (the reference) ---------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Weight-only quantized GEMV (hf_kvspec/kernels/quantized.py) vs fp32 and torch's int8 kernel; accuracy on the real model.
+"""Weight-only quantized GEMV (kernels/quantized.py) vs fp32 and torch's int8 kernel; accuracy on the real model.
 
     python scripts/benchmark.py qgemv                      # timing table + accuracy table
     python scripts/benchmark.py qgemv --skip-accuracy      # timing only
@@ -202,7 +202,8 @@ def _accuracy(args) -> None:
         del copied
     report.notes += ["Teacher-forced on fp32's greedy continuation (so every position sees the same prefix); "
                         "agreement = share of positions where the quantized copy's argmax is fp32's. mean_kl: "
-                        "KL(fp32 || quantized) per position, nats. read_MB: bytes of the weights a 1-token forward reads "
+                        "KL(fp32 || quantized) per position, nats. read_MB: bytes of the weights a 1-token forward "
+                        "reads "
                         "(decoder linears + LM head as stored; fp32 4 B a weight); the embedding table is only "
                         "gathered, one row a token.",
                         "The bundled weights are the Q4_1 GGUF's (group 32, fp16 scale and min) dequantized: int4-g32 "
