@@ -1,7 +1,8 @@
 /* Weight-only quantized GEMV / small GEMM for CPU decoding: out[R, O] = x[R, I] @ dequant(W)[O, I]^T (+ bias[O]).
  *
  * Boundary: plain C over raw pointers, called through ctypes from hf_kvspec/kernels/quantized.py, which checks
- * every shape, dtype and contiguity before the call; nothing here allocates, checks or keeps state. The layouts
+ * every shape, dtype and contiguity before the call; nothing here checks or keeps state (the one allocation is a
+ * per-call scratch of 16 I bytes, for int4 with 4 or more rows). The layouts
  * are made by quantize_int8 / quantize_int4 there (the comments below restate them).
  *
  * Layouts (``Ob = ceil(O / 4)``: output rows are interleaved 4 at a time, so the kernel reads one sequential
@@ -91,8 +92,7 @@ INLINE void f32_tile(const int RB, const float *x, int64_t I, const float *scrat
                      int64_t r0) {
     for (int a = 0; a < 4; a++)
         for (int b = 0; b < RB; b++) acc[a][b] = _mm256_setzero_ps();
-    const int64_t full = I / 8, rest = I % 8;
-    for (int64_t c = 0; c < full; c++) {
+    for (int64_t c = 0; c < I / 8; c++) {  /* I is a multiple of 32 for int4 */
         __m256 xv[RB_MAX];
         for (int b = 0; b < RB; b++) xv[b] = _mm256_loadu_ps(x + (r0 + b) * I + 8 * c);
         for (int a = 0; a < 4; a++) {
@@ -100,53 +100,35 @@ INLINE void f32_tile(const int RB, const float *x, int64_t I, const float *scrat
             for (int b = 0; b < RB; b++) acc[a][b] = _mm256_fmadd_ps(w, xv[b], acc[a][b]);
         }
     }
-    if (rest) {  /* the partial chunk: activations copied into zero-padded rows (the scratch is zero there) */
-        __m256 xv[RB_MAX];
-        for (int b = 0; b < RB; b++) {
-            float tail[8] = {0};
-            memcpy(tail, x + (r0 + b) * I + 8 * full, rest * sizeof(float));
-            xv[b] = _mm256_loadu_ps(tail);
-        }
-        for (int a = 0; a < 4; a++) {
-            const __m256 w = _mm256_load_ps(scratch + 32 * full + 8 * a);
-            for (int b = 0; b < RB; b++) acc[a][b] = _mm256_fmadd_ps(w, xv[b], acc[a][b]);
-        }
-    }
 }
 
-/* out[r, o0 + a] = sum(acc[a][b]) * scale[a] + bias for r = r0 + b (scale NULL: 1) */
-INLINE void store_tile(const int RB, __m256 acc[4][RB_MAX], const float *scales, const float *bias, int64_t O,
-                       float *out, int64_t o0, int64_t r0) {
+/* out[r0 + b, o0 + a] = sum(acc[a][b]) + bias[o0 + a] */
+INLINE void store_tile(const int RB, __m256 acc[4][RB_MAX], const float *bias, int64_t O, float *out, int64_t o0,
+                       int64_t r0) {
     for (int a = 0; a < 4 && o0 + a < O; a++)
-        for (int b = 0; b < RB; b++) {
-            const float sum = hsum8(acc[a][b]);
-            out[(r0 + b) * O + o0 + a] = (scales ? sum * scales[o0 + a] : sum) + (bias ? bias[o0 + a] : 0.0f);
-        }
+        for (int b = 0; b < RB; b++) out[(r0 + b) * O + o0 + a] = hsum8(acc[a][b]) + (bias ? bias[o0 + a] : 0.0f);
 }
 
 /* every RB_MAX-row chunk of x (then the 1 or 2 left) against the scratch of output rows o0..o0+3 */
-static void scratch_rows(const float *x, int64_t R, int64_t I, const float *scratch, const float *scales,
-                         const float *bias, int64_t O, float *out, int64_t o0) {
+static void scratch_rows(const float *x, int64_t R, int64_t I, const float *scratch, const float *bias, int64_t O,
+                         float *out, int64_t o0) {
     __m256 acc[4][RB_MAX];
     int64_t r0 = 0;
     for (; r0 + RB_MAX <= R; r0 += RB_MAX) {
         f32_tile(RB_MAX, x, I, scratch, acc, r0);
-        store_tile(RB_MAX, acc, scales, bias, O, out, o0, r0);
+        store_tile(RB_MAX, acc, bias, O, out, o0, r0);
     }
     if (R - r0 == 2) {
         f32_tile(2, x, I, scratch, acc, r0);
-        store_tile(2, acc, scales, bias, O, out, o0, r0);
+        store_tile(2, acc, bias, O, out, o0, r0);
     } else if (R - r0 == 1) {
         f32_tile(1, x, I, scratch, acc, r0);
-        store_tile(1, acc, scales, bias, O, out, o0, r0);
+        store_tile(1, acc, bias, O, out, o0, r0);
     }
 }
 
-static float *scratch_alloc(int64_t I) {  /* [ceil(I / 8)][4][8] floats, 32-byte aligned, zeroed */
-    const size_t bytes = (size_t)((I + 7) / 8) * 32 * sizeof(float);
-    float *scratch = (float *)aligned_alloc(32, bytes);
-    if (scratch) memset(scratch, 0, bytes);
-    return scratch;
+static float *scratch_alloc(int64_t I) {  /* [I / 8][4][8] floats, 32-byte aligned (a multiple of 32 bytes) */
+    return (float *)aligned_alloc(32, (size_t)(I / 8) * 32 * sizeof(float));
 }
 
 int qk_int8_gemm(const float *x, int64_t R, int64_t I, const int8_t *codes, const float *scales,
@@ -285,7 +267,7 @@ int qk_int4_gemm(const float *x, int64_t R, int64_t I, const uint8_t *codes, con
     if (!scratch) return -1;
     for (int64_t o0 = 0; o0 < O; o0 += 4) {
         i4_dequantize_block(codes + o0 * (I / 2), scales + o0 * G, offsets + o0 * G, G, group, scratch);
-        scratch_rows(x, R, I, scratch, NULL, bias, O, out, o0);
+        scratch_rows(x, R, I, scratch, bias, O, out, o0);
     }
     free(scratch);
     return 0;

@@ -7,13 +7,14 @@ use by ``build.py``); ``dequantize`` is the plain reference, and ``F.linear(x, d
 ``nn.Module``; swapping layers of a model is the caller's business.
 
 Why: a decode step on CPU is bound by reading weights. Keeping them in 8 or 4 bits and widening them to fp32 in
-registers reads about 1/4 or 1/7 of the fp32 bytes per call; activations, accumulation and outputs stay fp32
-(weight-only), so the only error is the weights' rounding, which ``dequantize`` shows exactly.
+registers reads about 1/4 (int8) or 1/6 (int4, group 32, with its scales) of the fp32 bytes per call;
+activations, accumulation and outputs stay fp32 (weight-only), so the only error is the weights' rounding, which
+``dequantize`` shows exactly.
 
 Formats (``q`` the stored code):
     int8   W[o, i] = q[o, i] * scale[o]                      q in -127..127, scale = max|W[o]| / 127 (fp32)
     int4   W[o, i] = q[o, i] * scale[o, g] + offset[o, g]    q in 0..15, g = i // group_size, fp16 scale/offset
-           asymmetric (default): offset <= min of the group, scale covers its range in 15 steps;
+           asymmetric (default, group 32): offset <= min of the group, scale covers its range in 15 steps;
            symmetric: offset = -8 * scale, scale = max|group| / 7.5.
 Rounding: every weight lies within scale / 2 of its dequantized value (fp16 scales are rounded up and fp16
 offsets down so that the 16 levels still cover the group).
@@ -58,6 +59,16 @@ class QuantizedWeight:
     scales: torch.Tensor
     offsets: torch.Tensor | None = None
 
+    def __post_init__(self) -> None:
+        """The kernel trusts these shapes blindly (it reads raw pointers), so they are checked once, here."""
+        expected = _layout(self.bits, self.shape, self.group_size)
+        tensors = {"codes": self.codes, "scales": self.scales, "offsets": self.offsets}
+        got = {name: None if t is None else (tuple(t.shape), t.dtype) for name, t in tensors.items()}
+        if got != expected or not all(t is None or (t.is_contiguous() and t.is_cpu) for t in tensors.values()):
+            raise ValueError(f"QuantizedWeight tensors do not match a {self.bits}-bit {self.shape} weight "
+                             f"(group {self.group_size}): expected contiguous CPU {expected}, got {got}. Build it "
+                             f"with quantize_int8 / quantize_int4.")
+
     @property
     def nbytes(self) -> int:
         """Bytes held by the packed tensors (what a call reads)."""
@@ -70,6 +81,21 @@ class QuantizedWeight:
         if self.bits == 8:
             return "int8"
         return f"int4-g{self.group_size}" + ("-sym" if self.symmetric else "")
+
+
+def _layout(bits: int, shape: tuple[int, int], group_size: int) -> dict:
+    """name -> (shape, dtype) of the packed tensors of a ``bits``-bit weight of ``shape`` (see QuantizedWeight)."""
+    out_features, in_features = shape
+    blocks = -(-out_features // ROW_BLOCK)
+    if bits == 8:
+        chunks = -(-in_features // 8)
+        return {"codes": ((blocks, chunks, ROW_BLOCK, 8), torch.int8), "scales": ((blocks * ROW_BLOCK,), torch.float32),
+                "offsets": None}
+    if bits != 4 or group_size <= 0 or group_size % INT4_BLOCK or in_features % group_size:
+        return {"bits": bits, "group_size": group_size}  # matches nothing: refused
+    groups = ((blocks, in_features // group_size, ROW_BLOCK), torch.float16)
+    return {"codes": ((blocks, in_features // INT4_BLOCK, ROW_BLOCK, INT4_BLOCK // 2), torch.uint8),
+            "scales": groups, "offsets": groups}
 
 
 # --- quantize / dequantize (the reference) ---------------------------------------------------------------------
@@ -157,10 +183,12 @@ def _deinterleave_groups(params: torch.Tensor, rows: int) -> torch.Tensor:
     return params.transpose(1, 2).reshape(-1, params.shape[1])[:rows]
 
 
-def quantize_int4(weight: torch.Tensor, group_size: int = 64, symmetric: bool = False) -> QuantizedWeight:
+def quantize_int4(weight: torch.Tensor, group_size: int = 32, symmetric: bool = False) -> QuantizedWeight:
     """int4 codes with an fp16 scale and offset per ``group_size`` inputs of each output row.
 
-    ``group_size`` must be a multiple of 32 that divides ``I`` (the kernel unpacks 32 inputs at a time).
+    ``group_size`` must be a multiple of 32 that divides ``I`` (the kernel unpacks 32 inputs at a time). The
+    default, 32 asymmetric, measured the most accurate on the bundled model (docs/quantized_weights.md); 64 reads
+    11% fewer bytes.
     """
     weight = _checked_weight(weight)
     out_features, in_features = weight.shape
@@ -225,8 +253,12 @@ def _check_call(x: torch.Tensor, qweight: QuantizedWeight, bias: torch.Tensor | 
     if (type(x) is torch.Tensor and x.dtype is torch.float32 and x.is_cpu and x.dim() == 2
             and x.shape[1] == in_features and x.is_contiguous()
             and (bias is None or (bias.dtype is torch.float32 and bias.is_cpu and bias.shape == (out_features,)
-                                  and bias.is_contiguous()))):
+                                  and bias.is_contiguous()))
+            and not _needs_grad(x, bias)):
         return
+    if _needs_grad(x, bias):
+        raise ValueError("qlinear has no backward, but x or bias requires grad with grad mode on: call it under "
+                         "torch.no_grad() / torch.inference_mode(), or use F.linear(x, dequantize(qweight), bias).")
     if not isinstance(x, torch.Tensor) or x.dtype != torch.float32 or not x.is_cpu or x.dim() != 2:
         got = f"{type(x).__name__} {getattr(x, 'dtype', '')} {tuple(getattr(x, 'shape', ()))}"
         raise ValueError(f"x must be an fp32 CPU tensor [rows, {in_features}] (flatten leading dims with "
@@ -239,10 +271,15 @@ def _check_call(x: torch.Tensor, qweight: QuantizedWeight, bias: torch.Tensor | 
                      f"{tuple(bias.shape)} (pass bias.float().contiguous()).")
 
 
+def _needs_grad(x: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    return torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad))
+
+
 def qlinear(x: torch.Tensor, qweight: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x`` [R, I] fp32 contiguous -> [R, O] fp32 = ``F.linear(x, dequantize(qweight), bias)`` up to rounding.
 
-    No autograd (the output does not require grad). Raises ``KernelBuildError`` when the kernel cannot be built.
+    No autograd: refused when ``x`` or ``bias`` requires grad with grad mode on. Raises ``KernelBuildError`` when
+    the kernel cannot be built.
     """
     _check_call(x, qweight, bias)
     return _launch(_kernels(), x, qweight, bias)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import pytest
@@ -170,6 +171,31 @@ def test_bad_calls_are_refused(x, bias, match):
         qlinear(x, q, bias)
 
 
+def test_tampered_packed_weights_are_refused():
+    # the kernel reads raw pointers: a QuantizedWeight whose tensors do not fit its shape must never reach it
+    q = quantize_int4(torch.randn(8, 64), 32)
+    with pytest.raises(ValueError, match="do not match"):
+        dataclasses.replace(q, shape=(8, 128))
+    with pytest.raises(ValueError, match="do not match"):
+        dataclasses.replace(q, codes=q.codes[:1])
+    with pytest.raises(ValueError, match="do not match"):
+        dataclasses.replace(quantize_int8(torch.randn(8, 64)), scales=torch.ones(8, dtype=torch.float64))
+    with pytest.raises(ValueError, match="do not match"):
+        dataclasses.replace(q, bits=3)
+
+
+@needs_compiler
+def test_calls_that_need_a_backward_are_refused():
+    q = quantize_int8(torch.randn(6, 32))
+    x, bias = torch.randn(2, 32, requires_grad=True), torch.nn.Parameter(torch.randn(6))
+    with pytest.raises(ValueError, match="no backward"):
+        qlinear(x, q)
+    with pytest.raises(ValueError, match="no backward"):
+        qlinear(x.detach(), q, bias)
+    with torch.no_grad():  # an nn.Linear's bias Parameter is fine where no graph is built
+        torch.testing.assert_close(qlinear(x, q, bias), F.linear(x, dequantize(q), bias), rtol=1e-5, atol=1e-5)
+
+
 # --- the compile cache ------------------------------------------------------------------------------------------
 
 @needs_compiler
@@ -178,7 +204,8 @@ def test_built_once_then_loaded_and_a_corrupt_file_is_rebuilt(tmp_path, capfd):
     build.load_library(plan)
     assert "compiling" in capfd.readouterr().err
     stamp = plan.output.stat().st_mtime_ns
-    build.load_library(build.plan_build("qgemv", tmp_path, flags=build.BASE_FLAGS))  # a later call: same key, the file is only loaded
+    # a later call: same key, the file is only loaded
+    build.load_library(build.plan_build("qgemv", tmp_path, flags=build.BASE_FLAGS))
     assert "compiling" not in capfd.readouterr().err and plan.output.stat().st_mtime_ns == stamp
     # a truncated file (mapping it would raise SIGBUS) and one of garbage: both caught by the checksum, rebuilt.
     # Replaced, never written in place: this process has the path mapped
