@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import math
 import re
 import sys
@@ -645,7 +646,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _refuse_negative_values(parser, argv: list[str]) -> None:
     """``--kv-budget -1GB``: argparse takes ``-1GB`` for an option and says only "expected one argument"; name the
     real problem instead (plain negative numbers like ``-1`` reach the argument's own check)."""
-    for flag, value in zip(argv, argv[1:]):
+    for flag, value in itertools.pairwise(argv):
         if flag.startswith("--") and "=" not in flag and re.fullmatch(r"-\d[^ ]*", value) \
                 and not re.fullmatch(r"-\d+|-\d*\.\d+", value):
             parser.error(f"{flag} {value}: needs a value >= 0; negative values are never valid here.")

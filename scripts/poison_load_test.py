@@ -203,10 +203,10 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     import torch
+    from load_test import default_prompts
 
     from hf_kvspec.models import load_bundled_model
     from hf_kvspec.serving.engine import Engine
-    from load_test import default_prompts
 
     args = parse_args(argv)
     torch.set_num_threads(args.threads)

@@ -32,9 +32,6 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from hf_kvspec.kernels.copies import available_bytes
-from hf_kvspec.kernels.ops import make_copy, onednn_available, run
-
 #: ``model_type``s whose decoder layer is exactly: RMSNorm -> q/k/v (optional bias) -> rotary -> attention -> o ->
 #: residual -> RMSNorm -> SiLU(gate) * up -> down -> residual, with no other per-layer state
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -53,12 +50,16 @@ class PackedLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] > 1 and (self.blocked is not None or self._make_blocked()):
+            from hf_kvspec.kernels.ops import run
+
             return run("onednn", x, self.blocked, self.bias)
         if self.bias is None:
             return torch.mm(x, self.weight_t)
         return torch.addmm(self.bias, x, self.weight_t)
 
     def _make_blocked(self) -> bool:
+        from hf_kvspec.kernels.ops import make_copy, onednn_available
+
         with self._lock:
             if self.blocked is None and onednn_available() and _room_for(self.weight_t):
                 self.blocked = make_copy("onednn", self.weight_t.t())
@@ -88,6 +89,8 @@ BLOCKED_MEMORY_FRACTION = 0.25
 
 
 def _room_for(weight: torch.Tensor) -> bool:
+    from hf_kvspec.kernels.copies import available_bytes
+
     return weight.numel() * weight.element_size() <= BLOCKED_MEMORY_FRACTION * available_bytes()
 
 

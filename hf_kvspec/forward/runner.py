@@ -29,6 +29,7 @@ from transformers.cache_utils import DynamicLayer
 
 from hf_kvspec.forward import program
 from hf_kvspec.forward.attend import CacheAttention
+from hf_kvspec.forward.capture import FeatureCapture
 from hf_kvspec.forward.packed import PackedLinear, PackedModel, pack, unsupported_reason
 
 #: under ``fast=None`` smaller models keep the reference: their steps are bound by per-op overhead, not weight
@@ -54,8 +55,6 @@ class EagerForward:
 
     def __call__(self, inputs: dict, cache, feature_layers: Sequence[int] | None = None):
         """-> (logits [B, K, V], features [B, T, C] | None, the cache the forward used)."""
-        from hf_kvspec.speculative.drafters.features import FeatureCapture
-
         if feature_layers is None:
             out, features = self.model(**inputs, cache=cache, use_cache=True), None
         else:

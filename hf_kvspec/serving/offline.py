@@ -126,8 +126,8 @@ def _settings(record: dict, defaults: dict) -> dict:
             or temperature < 0:
         raise ValueError(f'"temperature" must be a finite number >= 0 (0 = greedy), got {json.dumps(temperature)}.')
     stop = settings.pop("stop", None)
-    if stop is not None and not (isinstance(stop, str) and stop or isinstance(stop, list) and all(
-            isinstance(s, str) and s for s in stop)):
+    if stop is not None and not ((isinstance(stop, str) and stop) or (isinstance(stop, list) and all(
+            isinstance(s, str) and s for s in stop))):
         raise ValueError(f'"stop" must be a non-empty string or a list of them, got {json.dumps(stop)}.')
     sampling = {"do_sample": True, "temperature": temperature} if temperature > 0 else {"do_sample": False}
     return {**settings, **sampling, "stop_strings": stop}

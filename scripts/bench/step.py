@@ -25,6 +25,7 @@ call's wall seconds (prefill included); the load average is recorded before and 
 
 from __future__ import annotations
 
+import itertools
 import statistics
 import subprocess
 import sys
@@ -286,7 +287,7 @@ def _interpolate(curve: dict[int, float], tokens: int) -> float:
     points = sorted(curve)
     if tokens <= points[0]:
         return curve[points[0]]
-    for low, high in zip(points, points[1:]):
+    for low, high in itertools.pairwise(points):
         if tokens <= high:
             return curve[low] + (curve[high] - curve[low]) * (tokens - low) / (high - low)
     return curve[points[-1]] * tokens / points[-1]

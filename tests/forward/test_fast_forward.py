@@ -165,9 +165,40 @@ def test_plain_decoding_on_the_fast_forward_equals_generate(model):
 def test_a_cache_the_fast_forward_cannot_use(model):
     ids = torch.tensor([[4, 5, 6]])
     static = StaticCache(config=model.config, max_cache_len=32)
-    with pytest.raises(ValueError, match="DynamicCache.*StaticCache"):
+    with pytest.raises(ValueError, match=r"DynamicCache.*StaticCache"):
         _generate(model, ids, cache=static, fast_forward=True)
     out = _generate(model, ids, cache=StaticCache(config=model.config, max_cache_len=32), fast_forward=None)
     assert out.acceptance.forward["forward"] == "eager"
     assert _generate(model, ids, cache=DynamicCache(config=model.config), fast_forward=True).acceptance.forward[
         "forward"] == "fast"
+
+
+@torch.inference_mode()
+def test_appends_into_spare_columns_match_dynamic_cache_updates():
+    """``attend.append`` against ``DynamicLayer.update`` through crops, row selection and a replaced tensor."""
+    from transformers.cache_utils import DynamicLayer
+
+    from hf_kvspec.forward.attend import append
+
+    ours, reference = DynamicLayer(), DynamicLayer()
+
+    def step(tokens, rows=3):
+        k, v = torch.randn(rows, 2, tokens, 4), torch.randn(rows, 2, tokens, 4)
+        got, expected = append(ours, k, v), reference.update(k, v)
+        assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+
+    step(5)
+    first = ours.keys
+    step(1)
+    assert ours.keys.data_ptr() == first.data_ptr()  # written in place after the held columns, no copy
+    assert torch.equal(first, reference.keys[:, :, :5])  # an earlier view is unchanged
+    for layer in (ours, reference):
+        layer.crop(-3)
+    step(4)
+    for layer in (ours, reference):
+        layer.batch_select_indices(torch.tensor([2, 0]))
+    step(2, rows=2)
+    ours.keys, reference.keys = ours.keys.clone() + 1, reference.keys.clone() + 1  # replaced by someone else
+    step(1, rows=2)
+    step(300, rows=2)  # past the buffer's capacity: grows
+    assert ours.get_seq_length() == reference.get_seq_length() == 310

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import functools
-
 import warnings
 
 import pytest

@@ -13,7 +13,7 @@ from tests.tiny_models import tiny_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 
-import poison_load_test  # noqa: E402
+import poison_load_test
 
 
 def test_poisoned_requests_fail_alone_beside_honest_streams():

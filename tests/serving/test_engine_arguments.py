@@ -97,7 +97,7 @@ def test_unknown_request_ids_are_named(llama):
 
 
 def test_kv_budget_beyond_the_machines_memory_is_refused_by_name(llama):
-    with pytest.raises(ValueError, match="kv_budget='999999TB'.*machine"):
+    with pytest.raises(ValueError, match=r"kv_budget='999999TB'.*machine"):
         Engine(llama, kv_budget="999999TB")
 
 

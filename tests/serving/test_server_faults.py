@@ -306,7 +306,7 @@ def test_sigterm_drains_requests_in_flight_refuses_new_ones_and_exits(model, tok
 def test_unknown_paths_and_methods_get_openai_error_bodies(server):
     status, _, reply = server.raw("GET", "/v1/nothing")
     assert status == 404 and error_of(reply)["code"] == "unknown_url" and "/v1/nothing" in error_of(reply)["message"]
-    status, headers, reply = server.raw("GET", "/v1/completions")
+    status, _, reply = server.raw("GET", "/v1/completions")
     assert status == 405 and error_of(reply)["code"] == "method_not_allowed"
     assert error_of(reply)["type"] == "invalid_request_error"
 

@@ -64,7 +64,7 @@ def test_specs_and_refusals(target):
     assert isinstance(assistant, hf_kvspec.QuantizedSelfAssistant) and assistant.weights == "int4"
     with pytest.raises(ValueError, match="weights must be one of"):
         hf_kvspec.QuantizedSelfAssistant(target, weights="int2")
-    with pytest.raises(ValueError, match="sliding-window.*ngram"):
+    with pytest.raises(ValueError, match=r"sliding-window.*ngram"):
         hf_kvspec.QuantizedSelfAssistant(tiny_model("mistral"))
     other = tiny_model("llama", seed=9)
     with pytest.raises(ValueError, match="one per target"):

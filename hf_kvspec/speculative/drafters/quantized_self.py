@@ -35,7 +35,7 @@ WEIGHTS = ("int8", "int4")
 
 class QuantizedSelfAssistant(Assistant):
     """``QuantizedSelfAssistant(target, weights="int8", num_draft_tokens=4)``: the target drafts for itself from a
-    weight-only quantized copy of its linear layers (``"int8"``: per-row scales; ``"int4"``: groups of 64); needs
+    weight-only quantized copy of its linear layers (``"int8"``: per-row scales; ``"int4"``: groups of 32); needs
     an fp32 Llama-family target on CPU with a ``DynamicCache`` (the fast forward's models and cache).
     ``sample_drafts=False`` drafts the copy's argmax when the call samples (verified as point masses)."""
 
