@@ -40,12 +40,17 @@ MARKER = "hf_kvspec-peer.json"  # written into a venv once its install succeeded
 @dataclass(frozen=True)
 class PeerEnv:
     """A peer's virtual environment: pinned requirements, the module that tells whether an interpreter has the
-    peer, and what the first install costs (told on stderr before it starts)."""
+    peer, what the first install costs (told on stderr before it starts), and packages to uninstall after it."""
 
     name: str
     requirements: tuple[str, ...]
     module: str
     note: str
+    remove: tuple[str, ...] = ()
+
+    def record(self) -> dict:
+        """What the venv's marker holds: a venv made from other pins is made anew."""
+        return {"requirements": list(self.requirements), "remove": list(self.remove)}
 
 
 def llama_cpp_env(root: Path) -> PeerEnv:
@@ -56,7 +61,10 @@ def llama_cpp_env(root: Path) -> PeerEnv:
 
 OPENVINO = PeerEnv("openvino", (f"openvino-genai=={OPENVINO_GENAI_VERSION}", "optimum-intel[openvino]==2.2.0",
                                 "torch==2.13.0"), "openvino_genai",
-                   "wheels only (openvino, optimum-intel, a CPU torch): a few minutes")
+                   "wheels only (openvino, optimum-intel, a CPU torch): a few minutes",
+                   # optimum-intel[openvino] pulls a torchvision built for another torch; transformers imports it
+                   # and fails ("operator torchvision::nms does not exist"); nothing here needs it
+                   remove=("torchvision",))
 
 
 def peers_root() -> Path:
@@ -77,14 +85,16 @@ def ensure_venv(env: PeerEnv, root: Path) -> Path:
     venv = root / env.name
     python = venv / "bin" / "python"
     marker = venv / MARKER
-    if marker.is_file() and json.loads(marker.read_text()).get("requirements") == list(env.requirements):
+    if marker.is_file() and json.loads(marker.read_text()) == env.record():
         return python
     _say(f"creating the {env.name} environment for the peers benchmark (first use): {venv}\n"
          f"  installs {', '.join(env.requirements)}\n  {env.note}; pip's output follows")
     shutil.rmtree(venv, ignore_errors=True)
     _run([_base_python(), "-m", "venv", str(venv)], f"venv {env.name}")
     _run([str(python), "-m", "pip", "install", *env.requirements], f"pip install into {env.name}")
-    marker.write_text(json.dumps({"requirements": list(env.requirements)}, indent=2))
+    if env.remove:
+        _run([str(python), "-m", "pip", "uninstall", "--yes", *env.remove], f"pip uninstall from {env.name}")
+    marker.write_text(json.dumps(env.record(), indent=2))
     return python
 
 

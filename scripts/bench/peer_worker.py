@@ -28,6 +28,8 @@ import os
 import sys
 import time
 
+N_CTX = 2048  # prompt + new tokens at most
+
 
 class EchoBackend:
     """A peer that needs no package: new token i is ``ids[-1] + 1 + i`` (an EOS id stops it). For the protocol's
@@ -59,8 +61,11 @@ class LlamaCppBackend:
 
             draft = LlamaPromptLookupDecoding(num_pred_tokens=options["lookup_tokens"],
                                               max_ngram_size=options["max_ngram"])
-        self.llm = llama_cpp.Llama(model_path=model, n_ctx=options.get("n_ctx", 2048), n_threads=threads,
-                                   n_threads_batch=threads, draft_model=draft, verbose=False)
+        # f32 KV cache (llama.cpp's default is f16): the same arithmetic as the other systems. A draft model makes
+        # llama-cpp-python keep every position's logits (n_ctx x vocab floats): n_ctx stays modest
+        self.llm = llama_cpp.Llama(model_path=model, n_ctx=N_CTX, n_threads=threads, n_threads_batch=threads,
+                                   type_k=llama_cpp.GGML_TYPE_F32, type_v=llama_cpp.GGML_TYPE_F32, draft_model=draft,
+                                   verbose=False)
         self.info = {"version": llama_cpp.__version__, "model": model, "threads": threads, "options": options}
 
     def generate(self, ids: list[int], max_new_tokens: int, eos: list[int]) -> dict:
@@ -89,6 +94,11 @@ class OpenVinoBackend:
                       "KV_CACHE_PRECISION": "f32"}
         if options:
             properties["prompt_lookup"] = True
+        # as the pipeline's own latency-oriented default (one prefill chunk, 1 GB of KV blocks) but without prefix
+        # caching: every call pays its whole prefill, as in the other systems (chat prompts share a system prompt)
+        scheduler = openvino_genai.SchedulerConfig()
+        scheduler.cache_size, scheduler.max_num_batched_tokens, scheduler.enable_prefix_caching = 1, N_CTX, False
+        properties["scheduler_config"] = scheduler
         self.genai = openvino_genai
         self.pipe = openvino_genai.LLMPipeline(model, "CPU", **properties)
         self.options = options

@@ -200,9 +200,10 @@ def test_ensure_venv_installs_once_and_reuses(tmp_path, monkeypatch):
     assert commands[0][1:] == ["-m", "venv", str(tmp_path / "fake")]
     assert commands[1] == [str(python), "-m", "pip", "install", "pkg==1.0"]
     assert peer_envs.ensure_venv(env, tmp_path) == python and len(commands) == 2  # marker found: nothing runs
-    changed = peer_envs.PeerEnv("fake", ("pkg==2.0",), "fake_module", "")
-    peer_envs.ensure_venv(changed, tmp_path)  # other pins: made anew
-    assert commands[-1][-1] == "pkg==2.0"
+    changed = peer_envs.PeerEnv("fake", ("pkg==2.0",), "fake_module", "", remove=("extra",))
+    peer_envs.ensure_venv(changed, tmp_path)  # other pins: made anew, then the unwanted package removed
+    assert commands[-2][-1] == "pkg==2.0" and commands[-1][-3:] == ["uninstall", "--yes", "extra"]
+    assert json.loads((tmp_path / "fake" / peer_envs.MARKER).read_text()) == changed.record()
 
 
 def test_interpreter_prefers_ours_where_it_has_the_module(tmp_path, monkeypatch):
