@@ -205,7 +205,7 @@ def _measure(args, names: list[str], systems: dict, tokenizer, eos: list[int]) -
                                        "methods": names, "model": "smollm2-135m-instruct fp32"})
     warm = chat_inputs(tokenizer, ["Hi"])["input_ids"][0].tolist()
     for name in names:  # untimed: first-call costs (allocations, kernel plans) out of the figures
-        systems[name].generate(warm, 8, eos)
+        systems[name].generate(warm, min(32, args.max_new_tokens), eos)
     for kind in args.prompt_sets.split(","):
         prompts = load_prompts(kind, args.num_prompts)
         results = {name: [] for name in names}
