@@ -255,7 +255,8 @@ def _run_generate(args) -> None:
     out, elapsed = _timed(model, inputs, cache, args.max_new_tokens, sampling, speculative, streamer=streamer)
     new_tokens = out.sequences.shape[1] - inputs["input_ids"].shape[1]
     _print_stats(new_tokens, elapsed, kv_bytes=cache_nbytes(out.cache or cache), cache_name=args.cache,
-                 acceptance=out.acceptance)
+                 acceptance=out.acceptance if args.assistant is not None else None,
+                 forward=out.acceptance.forward)
     if plain is not None:
         _print_comparison(args.assistant, out, elapsed, *plain, inputs["input_ids"].shape[1],
                           greedy=not sampling["do_sample"])
@@ -336,7 +337,8 @@ def _speculative_kwargs(args, model) -> dict:
             "fast_forward": fast_forward}
 
 
-def _print_stats(new_tokens: int, elapsed: float, kv_bytes: int, cache_name: str, acceptance=None) -> None:
+def _print_stats(new_tokens: int, elapsed: float, kv_bytes: int, cache_name: str, acceptance=None,
+                 forward: dict | None = None) -> None:
     from hf_kvspec.memory import format_bytes
 
     # plain decoding: one target forward per token; speculative: measured by the loop
@@ -347,6 +349,10 @@ def _print_stats(new_tokens: int, elapsed: float, kv_bytes: int, cache_name: str
         ("tokens per target forward", f"{tau:.2f}"),
         (f"KV bytes ({cache_name})", f"{format_bytes(kv_bytes)} ({kv_bytes:,} B)"),
     ]
+    if forward is not None:
+        rows.append(("target forward", _forward_line(forward)))
+    if acceptance is not None and acceptance.drafter is not None:
+        rows.append(("drafter", _forward_line(acceptance.drafter)))
     if acceptance is not None:
         rates = " ".join(f"{rate:.2f}" for rate in acceptance.acceptance_rate)
         rows += [
@@ -359,6 +365,16 @@ def _print_stats(new_tokens: int, elapsed: float, kv_bytes: int, cache_name: str
     print("\n" + "-" * (width + 24))
     for key, value in rows:
         print(f"{key:<{width}}  {value}")
+
+
+def _forward_line(report: dict) -> str:
+    """``fast (packed fp32 copies 1.07 GiB, packed in 0.61 s)`` / ``eager (the model's own)``."""
+    from hf_kvspec.memory import format_bytes
+
+    if report.get("forward") != "fast":
+        return "the model's own (reference)"
+    return (f"fast ({report['weights']} copies {format_bytes(report['packed_bytes'])}, packed in "
+            f"{report['pack_s']:.2f} s this call)")
 
 
 def _add_export_heads(subparsers) -> None:

@@ -149,7 +149,7 @@ class SpeculativeDecoder:
         self.processor = PositionwiseProcessor(logits_processor)
         self.stopper = PositionwiseStopper(stopping_criteria)
         self.streamer = streamer
-        self.stats = AcceptanceStats(forward=self.forward.report())
+        self.stats = AcceptanceStats()
         self.kernels = None  # the decode kernels' context (speculative_generate sets it when they are on)
         # sampling with an assistant's own (lossy) acceptance rule, asked for by name: acceptance="typical"
         self.rule = assistant.verify if self.do_sample and assistant.acceptance != "exact" else None
@@ -183,7 +183,7 @@ class SpeculativeDecoder:
                 self._round()
         finally:
             self.assistant.end()
-            self.stats.drafter = self.assistant.report()
+            self.stats.drafter, self.stats.forward = self.assistant.report(), self.forward.report()
         self.output.stream(self.rows.full, self.rows.call_alive(), final=True)
         return self.output.result(self.rows.full, None if self.rows.may_leave else self.cache, self.stats)
 
