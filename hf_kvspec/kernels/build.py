@@ -1,7 +1,7 @@
-"""Compile-once loading of the package's C kernels (``qgemv.c``) through ctypes.
+"""Compile-once loading of the package's C kernels (``qgemv.c``, ``fgemm.c``) through ctypes.
 
 Boundary: turns a C source shipped in the package into a loaded ``ctypes.CDLL``; knows nothing about tensors or
-quantization (``quantized.py`` owns the calls). The shared library is built at first use with the system C
+quantization (``quantized.py`` and ``fp32.py`` own the calls). The shared library is built at first use with the system C
 compiler into ``<hf_kvspec cache>/kernels/<name>-<key>.so``, where the key hashes the source, the compiler flags,
 the compiler's version and the CPU's model and flags, so a change to any of them builds afresh and a later process
 only loads the file. The build writes to a temporary file and renames it into place (atomic on POSIX), so two
@@ -30,7 +30,7 @@ from pathlib import Path
 SOURCE_DIR = Path(__file__).resolve().parent
 BASE_FLAGS = ("-O3", "-fPIC", "-shared", "-std=c11")
 VECTOR_FLAGS = ("-mavx2", "-mfma", "-mf16c")
-#: the C source's ``QK_ABI_VERSION``: a loaded library reporting another value is rebuilt
+#: every C source's ``QK_ABI_VERSION``: a loaded library reporting another value is rebuilt
 ABI_VERSION = 2
 
 
@@ -90,9 +90,10 @@ def plan_build(name: str, cache_root: Path, compiler: str | None = None,
     compiler = compiler or find_compiler()
     if compiler is None:
         raise KernelBuildError(
-            "hf_kvspec's quantized kernels are compiled from C at first use, but no C compiler (gcc or cc) is on "
-            "PATH. Install one (e.g. `apt-get install gcc`, `conda install gxx`, Xcode command line tools), or "
-            "use the pure-torch reference: F.linear(x, dequantize(qweight), bias).")
+            "hf_kvspec's CPU kernels (quantized and fp32) are compiled from C at first use, but no C compiler "
+            "(gcc or cc) is on PATH. Install one (e.g. `apt-get install gcc`, `conda install gxx`, Xcode command "
+            "line tools), or use the pure-torch references: F.linear(x, dequantize(qweight), bias), "
+            "F.linear(x, unpack(weight), bias).")
     source = SOURCE_DIR / f"{name}.c"
     flags = compile_flags(cpu_flags()) if flags is None else flags
     digest = hashlib.sha256()
@@ -127,7 +128,7 @@ def _write_atomically(target: Path, write) -> None:
 def compile_library(plan: BuildPlan) -> None:
     """Compile ``plan.source`` to ``plan.output`` (and its checksum file), each renamed into place."""
     plan.output.parent.mkdir(parents=True, exist_ok=True)
-    print(f"hf_kvspec: compiling the quantized kernels {plan.source.name} (once per machine)...", file=sys.stderr,
+    print(f"hf_kvspec: compiling the C kernels {plan.source.name} (once per machine)...", file=sys.stderr,
           flush=True)
 
     def build(tmp: str) -> None:

@@ -1,0 +1,169 @@
+/* fp32 few-row GEMM for CPU decoding: out[R, O] = x[R, I] @ W[O, I]^T (+ bias[O]), the weight read once for all
+ * rows.
+ *
+ * Boundary: plain C over raw pointers, called through ctypes from hf_kvspec/kernels/fp32.py, which checks every
+ * shape, dtype and contiguity before the call and makes the layout (pack_fp32); nothing here allocates, checks or
+ * keeps state.
+ *
+ * Layout (``P = ceil(O / 16)`` panels of 16 output rows): panels [P, I, 16] fp32, panels[p, i, j] = W[16 p + j, i]
+ * (rows past O are zero and never written). A panel is one contiguous stream of I * 64 bytes and panels follow one
+ * another, so a call reads the whole weight front to back, which the hardware prefetcher follows.
+ *
+ * Micro-kernel (the classic register-blocked GEMM one): a tile of RB activation rows x 16 outputs keeps 2 RB
+ * accumulators (8 outputs each) in registers; per input i it loads the panel's 16 weights once (2 vectors) and
+ * meets each row's x[r, i] (broadcast) with 2 FMAs. RB <= 6: 12 accumulators + 2 weights + 1 broadcast fill the 16
+ * ymm registers. Rows beyond 6 run as further tiles over the same panel, in slices of KC inputs (KC * 64 bytes stay
+ * in L1 while every tile passes over them), the partial sums kept in ``out`` between slices. Each output is one
+ * fp32 FMA chain over i in order (per slice), so it differs from other summation orders by fp32 rounding only.
+ *
+ * Built with -mavx2 -mfma when the CPU has them (the vector path), else as portable C (the scalar path).
+ */
+#include <stdint.h>
+#include <string.h>
+
+#define QK_ABI_VERSION 2 /* build.py's ABI_VERSION: a library reporting another value is rebuilt */
+
+int qk_abi_version(void) { return QK_ABI_VERSION; }
+
+#define NR 16 /* outputs per panel */
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+int fk_vector_path(void) { return 1; }
+
+#define INLINE static inline __attribute__((always_inline))
+#define RB_MAX 6
+#ifndef KC
+#define KC 256 /* inputs per slice when rows need several tiles: 16 KiB of a panel */
+#endif
+#ifndef PREFETCH
+#define PREFETCH 4096 /* bytes ahead of the panel stream that tiles of 3+ rows prefetch */
+#endif
+#define PREFETCH_ROWS 3 /* tiles this tall are slow enough to need the prefetch; 1-2 rows ran slower with it */
+
+/* the mask for the last panel's n < 16 valid outputs, as two 8-lane masks */
+INLINE void tail_masks(int n, __m256i mask[2]) {
+    const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    mask[0] = _mm256_cmpgt_epi32(_mm256_set1_epi32(n), lanes);
+    mask[1] = _mm256_cmpgt_epi32(_mm256_set1_epi32(n - 8), lanes);
+}
+
+/* accumulators of row b start from out (a later slice), the bias (the first) or zero */
+INLINE void tile_start(const int first, const float *bias, const float *dst, int64_t O, int n,
+                       const __m256i mask[2], __m256 *lo, __m256 *hi) {
+    const float *src = !first ? dst : bias;
+    if (!src) {
+        *lo = *hi = _mm256_setzero_ps();
+    } else if (n == NR) {
+        *lo = _mm256_loadu_ps(src);
+        *hi = _mm256_loadu_ps(src + 8);
+    } else {
+        *lo = _mm256_maskload_ps(src, mask[0]);
+        *hi = _mm256_maskload_ps(src + 8, mask[1]);
+    }
+    (void)O;
+}
+
+INLINE void tile_store(float *dst, int n, const __m256i mask[2], __m256 lo, __m256 hi) {
+    if (n == NR) {
+        _mm256_storeu_ps(dst, lo);
+        _mm256_storeu_ps(dst + 8, hi);
+    } else {
+        _mm256_maskstore_ps(dst, mask[0], lo);
+        _mm256_maskstore_ps(dst + 8, mask[1], hi);
+    }
+}
+
+/* the accumulators as named variables (an array of them was kept on the stack by gcc, a store per FMA) */
+#define FOR_ROWS(DO) DO(0) DO(1) DO(2) DO(3) DO(4) DO(5)
+#define DECLARE(b) __m256 lo##b = _mm256_setzero_ps(), hi##b = lo##b;
+#define START(b) if (RB > b) tile_start(first, bias, dst + b * O, O, n, mask, &lo##b, &hi##b);
+#define STEP(b) if (RB > b) {                                   \
+        const __m256 xb = _mm256_broadcast_ss(xr + b * I + i);  \
+        lo##b = _mm256_fmadd_ps(w0, xb, lo##b);                 \
+        hi##b = _mm256_fmadd_ps(w1, xb, hi##b);                 \
+    }
+#define STORE(b) if (RB > b) tile_store(dst + b * O, n, mask, lo##b, hi##b);
+
+/* rows r0..r0+RB-1 x outputs o0..o0+n-1 (n <= 16) over inputs k0..k1-1; first: start from the bias, else out */
+INLINE void tile(const int RB, const float *x, int64_t I, const float *panel, int64_t k0, int64_t k1,
+                 const float *bias, float *out, int64_t O, int64_t o0, int64_t r0, int n, int first) {
+    __m256i mask[2];
+    tail_masks(n, mask);
+    float *dst = out + r0 * O + o0;
+    if (first && bias) bias += o0;
+    FOR_ROWS(DECLARE)
+    FOR_ROWS(START)
+    const float *xr = x + r0 * I;
+#ifdef UNROLL
+#define STR2(a) #a
+#define STR(a) STR2(a)
+    _Pragma(STR(GCC unroll UNROLL))
+#endif
+    for (int64_t i = k0; i < k1; i++) {
+        const float *w = panel + NR * i;
+        if (RB >= PREFETCH_ROWS) _mm_prefetch((const char *)w + PREFETCH, _MM_HINT_T0);
+        const __m256 w0 = _mm256_loadu_ps(w), w1 = _mm256_loadu_ps(w + 8);
+        FOR_ROWS(STEP)
+    }
+    FOR_ROWS(STORE)
+}
+
+/* one function per tile height, not inlined into the panel loop: each gets the general registers to itself
+ * (inlined, gcc spilled the loop's pointers to the stack) */
+#define TILE_FN(rb) __attribute__((noinline)) static void tile##rb(                                           \
+        const float *x, int64_t I, const float *panel, int64_t k0, int64_t k1, const float *bias, float *out, \
+        int64_t O, int64_t o0, int64_t r0, int n, int first) {                                                \
+        tile(rb, x, I, panel, k0, k1, bias, out, O, o0, r0, n, first);                                        \
+    }
+TILE_FN(1) TILE_FN(2) TILE_FN(3) TILE_FN(4) TILE_FN(5) TILE_FN(6)
+
+typedef void (*tile_fn)(const float *, int64_t, const float *, int64_t, int64_t, const float *, float *, int64_t,
+                        int64_t, int64_t, int, int);
+static const tile_fn TILES[RB_MAX + 1] = {NULL, tile1, tile2, tile3, tile4, tile5, tile6};
+
+/* outputs of panels p0..p1-1 for every row */
+static void panels_range(const float *x, int64_t R, int64_t I, const float *panels, const float *bias, int64_t O,
+                         float *out, int64_t p0, int64_t p1) {
+    const int64_t tiles = (R + RB_MAX - 1) / RB_MAX;
+    const int64_t slice = tiles == 1 ? I : KC;
+    for (int64_t p = p0; p < p1; p++) {
+        const float *panel = panels + p * NR * I;
+        const int64_t o0 = p * NR;
+        const int n = O - o0 < NR ? (int)(O - o0) : NR;
+        int64_t k0 = 0;
+        do {  /* at least once: I = 0 still writes the bias */
+            const int64_t k1 = k0 + slice < I ? k0 + slice : I;
+            for (int64_t t = 0, r0 = 0; t < tiles; t++) {  /* tiles of balanced heights: e.g. 8 -> 4 + 4 */
+                const int64_t rb = (R - r0) / (tiles - t) + ((R - r0) % (tiles - t) != 0);
+                TILES[rb](x, I, panel, k0, k1, bias, out, O, o0, r0, n, k0 == 0);
+                r0 += rb;
+            }
+            k0 = k1;
+        } while (k0 < I);
+    }
+}
+
+#else /* portable scalar path */
+
+int fk_vector_path(void) { return 0; }
+
+static void panels_range(const float *x, int64_t R, int64_t I, const float *panels, const float *bias, int64_t O,
+                         float *out, int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; p++)
+        for (int64_t r = 0; r < R; r++)
+            for (int j = 0; j < NR && p * NR + j < O; j++) {
+                float sum = bias ? bias[p * NR + j] : 0.0f;
+                for (int64_t i = 0; i < I; i++) sum += panels[(p * I + i) * NR + j] * x[r * I + i];
+                out[r * O + p * NR + j] = sum;
+            }
+}
+
+#endif
+
+/* out[R, O] = x[R, I] @ W^T + bias over the panels [ceil(O / 16), I, 16]; bias may be NULL */
+int fk_gemm(const float *x, int64_t R, int64_t I, const float *panels, const float *bias, int64_t O, float *out) {
+    panels_range(x, R, I, panels, bias, O, out, 0, (O + NR - 1) / NR);
+    return 0;
+}
