@@ -73,15 +73,54 @@ class PackedLinear:
     @classmethod
     def of(cls, *linears: nn.Linear) -> PackedLinear:
         """One linear whose outputs are those of ``linears`` side by side (their weights stacked along O)."""
+        weight, bias = _stacked(linears)  # [O, I], [O] | None
         with torch.no_grad(), torch.inference_mode(False):
-            weight = torch.cat([linear.weight.detach() for linear in linears], dim=0)  # [O, I]
-            weight_t = weight.t().contiguous()  # [I, O]
-            biases = [linear.bias for linear in linears]
-            if all(bias is None for bias in biases):
-                return cls(weight_t)
-            bias = torch.cat([b.detach() if b is not None else linear.weight.new_zeros(linear.out_features)
-                              for b, linear in zip(biases, linears)])
-            return cls(weight_t, bias)
+            return cls(weight.t().contiguous(), bias)  # [I, O]
+
+
+class PanelLinear:
+    """``x`` [R, I] -> [R, O] through ``hf_kvspec.kernels.fp32``: one copy of ``W`` in 16-row panels that its C
+    kernel streams once for every row count (1 row as fast as the transposed copy, 2-16 rows little slower), so
+    a verify forward costs about a decode step and the model needs one copy, not two. Used whenever the kernel
+    builds (it needs a C compiler, once per machine); ``PackedLinear`` otherwise."""
+
+    def __init__(self, weight, bias: torch.Tensor | None = None):
+        self.weight, self.bias = weight, bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        from hf_kvspec.kernels.fp32 import fp32_linear
+
+        return fp32_linear(x.contiguous(), self.weight, self.bias)
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.nbytes + (0 if self.bias is None else self.bias.numel() * self.bias.element_size())
+
+    @classmethod
+    def of(cls, *linears: nn.Linear) -> PanelLinear:
+        """One projection whose outputs are those of ``linears`` side by side."""
+        from hf_kvspec.kernels.fp32 import pack_fp32
+
+        weight, bias = _stacked(linears)
+        return cls(pack_fp32(weight), bias)
+
+
+def fp32_projection(*linears: nn.Linear) -> Projection:
+    """The fp32 projection the fast forward packs: ``PanelLinear`` where its kernel builds, else ``PackedLinear``."""
+    from hf_kvspec.kernels import fp32
+
+    return (PanelLinear if fp32.available() else PackedLinear).of(*linears)
+
+
+def _stacked(linears) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The linears' weights stacked along O [sum O, I] and their biases (zeros for a missing one; None if none)."""
+    with torch.no_grad(), torch.inference_mode(False):
+        weight = torch.cat([linear.weight.detach() for linear in linears], dim=0)
+        if all(linear.bias is None for linear in linears):
+            return weight, None
+        bias = torch.cat([linear.bias.detach() if linear.bias is not None
+                          else linear.weight.new_zeros(linear.out_features) for linear in linears])
+        return weight, bias.contiguous()
 
 
 #: the blocked copies (for calls of several rows) may take at most this fraction of the memory available
@@ -155,7 +194,7 @@ class PackedModel:
         return all(_stamp(p) == stamp for p, stamp in zip(_linear_weights(model), self.stamps))
 
 
-def pack(model: nn.Module, make_linear: LinearMaker = PackedLinear.of) -> PackedModel:
+def pack(model: nn.Module, make_linear: LinearMaker = fp32_projection) -> PackedModel:
     """Copies of ``model``'s linear weights in the layout ``program.forward`` reads (``make_linear`` builds each:
     fp32 transposed by default). Call ``unsupported_reason`` first."""
     decoder, config = model.get_decoder(), model.config

@@ -30,7 +30,7 @@ from transformers.cache_utils import DynamicLayer
 from hf_kvspec.forward import program
 from hf_kvspec.forward.attend import CacheAttention
 from hf_kvspec.forward.capture import FeatureCapture
-from hf_kvspec.forward.packed import PackedLinear, PackedModel, pack, unsupported_reason
+from hf_kvspec.forward.packed import PackedModel, fp32_projection, pack, unsupported_reason
 
 #: under ``fast=None`` smaller models keep the reference: their steps are bound by per-op overhead, not weight
 #: reads, and tiny test models keep the reference's exact rounding (the same threshold as the decode kernels)
@@ -160,7 +160,7 @@ def release_packed_weights(model: nn.Module) -> int:
 
 
 def _fp32_maker():
-    return PackedLinear.of
+    return fp32_projection
 
 
 def _quantized_maker(bits: int):

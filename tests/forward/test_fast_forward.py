@@ -16,6 +16,7 @@ import hf_kvspec
 from hf_kvspec.forward import runner
 from hf_kvspec.forward.packed import unsupported_reason
 from hf_kvspec.forward.runner import EagerForward, FastForward, choose_forward
+from hf_kvspec.kernels import fp32
 from hf_kvspec.kernels.ops import onednn_available
 from tests.tiny_models import left_padded_batch, tiny_model
 
@@ -98,7 +99,23 @@ def test_the_model_is_left_as_it_was(model):
     assert not any("forward" in vars(m) for m in model.modules())
 
 
-def test_packed_bytes_are_one_copy_then_a_blocked_one_after_several_rows():
+def test_one_panel_copy_serves_every_row_count():
+    """With the fp32 panel kernel: one copy of every linear weight (fused, padded to 16-row panels), whatever ran."""
+    model = tiny_model("llama", seed=5)
+    if not fp32.available():
+        pytest.skip("the fp32 panel kernel needs a C compiler")
+    fast = FastForward(model)
+    fused = [(4 * 16 + 2 * 2 * 16, 64), (64, 64), (2 * 128, 64), (64, 128)] * 2 + [(96, 64)]  # (O, I) per call
+    expected = sum(-(-out // 16) * 16 * inp * 4 for out, inp in fused)
+    with torch.inference_mode():
+        fast(dict(input_ids=torch.tensor([[4, 5, 6]])), None)
+        fast(dict(input_ids=torch.tensor([[4]])), None)
+    assert fast.report()["packed_bytes"] == expected
+    assert runner.release_packed_weights(model) == expected
+
+
+def test_without_the_panel_kernel_a_blocked_copy_follows_after_several_rows(monkeypatch):
+    monkeypatch.setattr(fp32, "available", lambda: False)
     model = tiny_model("llama", seed=5)
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     one_copy = sum(p.numel() * 4 for m in linears for p in m.parameters(recurse=False))
