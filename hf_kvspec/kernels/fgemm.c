@@ -14,13 +14,14 @@
  * meets each row's x[r, i] (broadcast) with 2 FMAs. RB <= 6: 12 accumulators + 2 weights + 1 broadcast fill the 16
  * ymm registers. Rows beyond 6 run as further tiles over the same panel, in slices of KC inputs (KC * 64 bytes stay
  * in L1 while every tile passes over them), the partial sums kept in ``out`` between slices. Each output is one
- * fp32 FMA chain over i in order (per slice), so it differs from other summation orders by fp32 rounding only.
+ * fp32 FMA chain over i in order, started from the bias, so it differs from other summation orders by fp32
+ * rounding only. Many rows (prefills) run the same way, one panel at a time with x re-read from cache per panel;
+ * x beyond the L2 cache (thousands of rows) would want blocking over rows too, which is not done.
  *
  * Built with -mavx2 -mfma when the CPU has them (the vector path), else as portable C (the scalar path); with
  * -fopenmp for calls on several threads.
  */
 #include <stdint.h>
-#include <string.h>
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -39,8 +40,9 @@ int fk_vector_path(void) { return 1; }
 #define INLINE static inline __attribute__((always_inline))
 #define RB_MAX 6
 #define KC 256 /* inputs per slice when rows need several tiles: 16 KiB of a panel, beside 6 KiB of x, in L1 */
-/* Prefetch (measured, scripts/benchmark.py fgemm): one tile of 1-2 rows keeps up with the hardware prefetcher
- * and ran slower with software prefetch; one tile of 3-6 rows runs NEAR_AHEAD bytes ahead into L1; several tiles
+/* Prefetch (variants timed over the bundled model's shapes at R = 1..32 on an AVX2 Zen 3; the kept one is what
+ * scripts/benchmark.py fgemm reports): one tile of 1-2 rows keeps up with the hardware prefetcher and ran slower
+ * with software prefetch; one tile of 3-6 rows runs NEAR_AHEAD bytes ahead into L1; several tiles
  * fetch FAR_SLICES slices ahead into L2 while the later tiles compute from cache, so the memory stays busy. */
 #define NEAR_ROWS 3
 #define NEAR_AHEAD 4096
