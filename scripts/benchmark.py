@@ -6,6 +6,7 @@ Run from the repository root (after ``make setup`` or ``pip install -e '.[bench]
     python scripts/benchmark.py generate          # decode tokens/s of the bundled model, per cache
     python scripts/benchmark.py engine            # serving under arrivals: transformers CB, static batches, Engine
     python scripts/benchmark.py qgemv             # int8/int4 weight-only GEMV vs fp32 and torch; accuracy
+    python scripts/benchmark.py fgemm             # fp32 few-row GEMM (one packed copy) vs mm, F.linear, oneDNN
     python scripts/benchmark.py step              # where a decode step goes; the fast forward; plain vs assistants
     python scripts/benchmark.py peers             # ours beside llama.cpp and OpenVINO GenAI on the same weights
     python scripts/benchmark.py <name> --help     # options of one subcommand
@@ -34,6 +35,7 @@ SUBCOMMANDS: dict[str, str] = {
     "drafthead": "bench.drafthead",
     "engine": "bench.engine",
     "qgemv": "bench.qgemv",
+    "fgemm": "bench.fgemm",
     "step": "bench.step",
     "peers": "bench.peers",
 }

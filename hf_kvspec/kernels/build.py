@@ -10,8 +10,8 @@ library's checksum, checked before every load: a truncated or altered file is re
 a truncated ELF file can kill the process with SIGBUS).
 
 Flags: ``-O3 -fPIC -shared``, plus ``-mavx2 -mfma -mf16c`` only when ``/proc/cpuinfo`` lists all three (the
-vector path); otherwise the portable scalar path. ``-march=native`` is avoided so the key alone says what the code
-may use.
+vector path); otherwise the portable scalar path; and a library's own ``LIBRARY_FLAGS`` (``-fopenmp`` for
+``fgemm``). ``-march=native`` is avoided so the key alone says what the code may use.
 """
 
 from __future__ import annotations
@@ -30,6 +30,9 @@ from pathlib import Path
 SOURCE_DIR = Path(__file__).resolve().parent
 BASE_FLAGS = ("-O3", "-fPIC", "-shared", "-std=c11")
 VECTOR_FLAGS = ("-mavx2", "-mfma", "-mf16c")
+#: flags one library adds to the machine's (``fgemm`` splits a call's output rows among OpenMP threads; torch's
+#: own libgomp, already loaded, serves it)
+LIBRARY_FLAGS = {"fgemm": ("-fopenmp",)}
 #: every C source's ``QK_ABI_VERSION``: a loaded library reporting another value is rebuilt
 ABI_VERSION = 2
 
@@ -85,7 +88,8 @@ def _compiler_version(compiler: str) -> str:
 
 def plan_build(name: str, cache_root: Path, compiler: str | None = None,
                flags: tuple[str, ...] | None = None) -> BuildPlan:
-    """The build of ``<name>.c`` for this machine (``flags``: default ``compile_flags(cpu_flags())``); raises
+    """The build of ``<name>.c`` for this machine (``flags``: default ``compile_flags(cpu_flags())`` and the
+    library's ``LIBRARY_FLAGS``); raises
     ``KernelBuildError`` when no compiler is found."""
     compiler = compiler or find_compiler()
     if compiler is None:
@@ -95,7 +99,7 @@ def plan_build(name: str, cache_root: Path, compiler: str | None = None,
             "line tools), or use the pure-torch references: F.linear(x, dequantize(qweight), bias), "
             "F.linear(x, unpack(weight), bias).")
     source = SOURCE_DIR / f"{name}.c"
-    flags = compile_flags(cpu_flags()) if flags is None else flags
+    flags = compile_flags(cpu_flags()) + LIBRARY_FLAGS.get(name, ()) if flags is None else flags
     digest = hashlib.sha256()
     for part in (source.read_bytes(), " ".join(flags).encode(), _compiler_version(compiler).encode(),
                  _cpu_identity().encode()):

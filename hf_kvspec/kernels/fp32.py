@@ -9,8 +9,10 @@ reference, and ``F.linear(x, unpack(w), bias)`` is what ``fp32_linear`` computes
 Why: a decode step (1 row) and a speculative verify forward (a few rows) are both bound by reading the weights.
 torch's few-row GEMMs re-read the weight per row or per pair of rows; this kernel streams each block of 16 output
 rows once and accumulates every activation row against it while it sits in cache, so 2..16 rows cost little more
-than one, and one packed copy serves every row count (no separate transposed and blocked copies). Calls of more
-than ``MAX_KERNEL_ROWS`` rows (prefills), where compute dominates, run torch's batched GEMM over the same panels.
+than one, and one packed copy serves every row count (no separate transposed and blocked copies). Prefills (tens
+to hundreds of rows) run the same kernel: it stays faster than torch's GEMM on the transposed weight there too
+(scripts/benchmark.py fgemm). With ``threads`` > 1 the panels are split among OpenMP threads; every output is
+computed by one thread in the same order, so results do not depend on the thread count.
 
 Layout: ``panels`` fp32 [P, I, 16] with ``P = ceil(O / 16)``: ``panels[p, i, j] = W[16 p + j, i]``, rows past O
 zero. Shapes: ``R`` activation rows, ``I`` in features, ``O`` out features, ``P`` panels.
@@ -30,8 +32,6 @@ __all__ = ["Fp32Weight", "KernelBuildError", "available", "fp32_linear", "pack_f
            "unpack"]
 
 PANEL = 16  # output rows per panel (the kernel's tile width: two 8-float vectors)
-#: row counts above this run ``torch.matmul`` over the panels instead of the C kernel (prefills: compute-bound)
-MAX_KERNEL_ROWS = 64
 
 
 @dataclass(frozen=True, eq=False)
@@ -88,8 +88,8 @@ def _kernels() -> ctypes.CDLL:
 def _declare(library: ctypes.CDLL) -> ctypes.CDLL:
     """Set the argument types of ``fgemm.c``'s entry point on ``library`` (pointers and int64 sizes)."""
     pointer, size = ctypes.c_void_p, ctypes.c_int64
-    library.fk_gemm.argtypes = [pointer, size, size, pointer, pointer, size, pointer]
-    library.fk_gemm.restype = ctypes.c_int
+    library.fk_gemm.argtypes = [pointer, size, size, pointer, pointer, size, pointer, ctypes.c_int]
+    library.fk_gemm.restype = library.fk_openmp.restype = ctypes.c_int
     return library
 
 
@@ -125,18 +125,20 @@ def _check_call(x: torch.Tensor, weight: Fp32Weight, bias: torch.Tensor | None) 
                      f"bias.float().contiguous()).")
 
 
-def fp32_linear(x: torch.Tensor, weight: Fp32Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+def fp32_linear(x: torch.Tensor, weight: Fp32Weight, bias: torch.Tensor | None = None,
+                threads: int | None = None) -> torch.Tensor:
     """``x`` [R, I] fp32 contiguous -> [R, O] fp32 = ``F.linear(x, unpack(weight), bias)`` up to fp32 rounding.
 
-    No autograd (the output does not require grad). Raises ``KernelBuildError`` when the kernel cannot be built.
+    ``threads``: OpenMP threads for the call (default ``torch.get_num_threads()``); the result is the same for any
+    count. No autograd (the output does not require grad). Raises ``KernelBuildError`` when the kernel cannot be
+    built.
     """
     _check_call(x, weight, bias)
-    if x.shape[0] > MAX_KERNEL_ROWS:
-        return _panel_matmul(x, weight, bias)
-    return _launch(_kernels(), x, weight, bias)
+    return _launch(_kernels(), x, weight, bias, torch.get_num_threads() if threads is None else threads)
 
 
-def _launch(library: ctypes.CDLL, x: torch.Tensor, weight: Fp32Weight, bias: torch.Tensor | None) -> torch.Tensor:
+def _launch(library: ctypes.CDLL, x: torch.Tensor, weight: Fp32Weight, bias: torch.Tensor | None,
+            threads: int = 1) -> torch.Tensor:
     """Run ``library``'s kernel on checked arguments: x [R, I] -> [R, O]."""
     rows, (out_features, in_features) = x.shape[0], weight.shape
     out = torch.empty(rows, out_features, dtype=torch.float32)
@@ -144,12 +146,5 @@ def _launch(library: ctypes.CDLL, x: torch.Tensor, weight: Fp32Weight, bias: tor
         return out
     bias_ptr = None if bias is None else bias.data_ptr()
     library.fk_gemm(x.data_ptr(), rows, in_features, weight.panels.data_ptr(), bias_ptr, out_features,
-                    out.data_ptr())
+                    out.data_ptr(), threads)
     return out
-
-
-def _panel_matmul(x: torch.Tensor, weight: Fp32Weight, bias: torch.Tensor | None) -> torch.Tensor:
-    """Many rows: torch's batched GEMM over the panels, "ri,pij->rpj" ([R, I] x [P, I, 16] -> [R, P, 16])."""
-    with torch.no_grad():
-        out = torch.matmul(x, weight.panels).transpose(0, 1).reshape(x.shape[0], -1)[:, : weight.shape[0]]
-        return out + bias if bias is not None else out.contiguous()

@@ -12,7 +12,6 @@ import torch.nn.functional as F
 
 from hf_kvspec.kernels import build, fp32
 from hf_kvspec.kernels.fp32 import (
-    MAX_KERNEL_ROWS,
     KernelBuildError,
     available,
     fp32_linear,
@@ -27,8 +26,8 @@ needs_compiler = pytest.mark.skipif(build.find_compiler() is None and not availa
 # (O, I): outputs that fill no panel, one, several and a ragged last one (the masked stores); inputs below, at and
 # above the kernel's slice of 256 (rows > 6 run in slices), odd ones; the bundled model's qkv and down shapes
 SHAPES = [(1, 1), (5, 3), (16, 8), (17, 100), (40, 257), (130, 513), (960, 576), (576, 1536)]
-# every tile height 1..6, every split into 2 and 3 tiles, the last row count of the kernel and the first past it
-ROWS = [*range(1, 18), 33, MAX_KERNEL_ROWS, MAX_KERNEL_ROWS + 1, 100]
+# every tile height 1..6, every split into 2 and 3 tiles, and prefill sizes (many tiles)
+ROWS = [*range(1, 18), 33, 100]
 FP32_EPS = torch.finfo(torch.float32).eps
 
 
@@ -64,7 +63,7 @@ def test_kernel_matches_reference(shape):
 
 
 @needs_compiler
-@pytest.mark.parametrize("rows", [1, 3, 8, 16, MAX_KERNEL_ROWS + 1])
+@pytest.mark.parametrize("rows", [1, 3, 8, 16, 65])
 def test_exact_where_nothing_rounds(rows):
     # small integers: every product and partial sum is an integer below 2**24, so any summation order is exact
     generator = torch.Generator().manual_seed(2)
@@ -95,6 +94,18 @@ def test_output_is_fresh_and_inputs_untouched():
     out = fp32_linear(x, packed, bias)
     assert out.is_contiguous() and not out.requires_grad
     assert all(torch.equal(a, b) for a, b in zip(before, (packed.panels, x, bias)))
+
+
+@needs_compiler
+@pytest.mark.parametrize("rows", [1, 5, 16])
+def test_two_threads_give_the_one_thread_result(rows):
+    # the panels are split among threads; each output is still one thread's sum in the same order: bitwise equal
+    assert fp32._kernels().fk_openmp() == 1
+    weight, bias = pack_fp32(_weight(1000, 300)), torch.randn(1000)
+    x = torch.randn(rows, 300)
+    one = fp32_linear(x, weight, bias, threads=1)
+    assert torch.equal(fp32_linear(x, weight, bias, threads=2), one)
+    _assert_matches_reference(x, weight, bias)
 
 
 # --- packing ----------------------------------------------------------------------------------------------------
