@@ -192,8 +192,10 @@ def _check_generate(parser, args) -> None:
         if given:
             parser.error(f"{' and '.join(given)} apply to the bundled heads; add --assistant medusa or "
                          "--assistant eagle, or drop them.")
-    if args.num_draft_tokens is None and not heads:
-        args.num_draft_tokens = 4
+    if args.num_draft_tokens is None and not heads and args.assistant is not None:
+        from hf_kvspec.speculative.assistants import default_draft_tokens
+
+        args.num_draft_tokens = default_draft_tokens(args.assistant)
     from hf_kvspec.models import BUNDLED_MODELS
 
     if args.model not in BUNDLED_MODELS:
@@ -320,7 +322,8 @@ def _print_comparison(name, out, elapsed, plain_out, plain_elapsed, prompt_len, 
 def _speculative_kwargs(args, model) -> dict:
     """``generate`` kwargs: hf_kvspec's loop (plain decoding without ``--assistant``) on the fast forward unless
     ``--reference-forward``."""
-    from hf_kvspec.speculative.assistants import HEAD_ASSISTANTS, make_assistant, make_head_assistant
+    from hf_kvspec.speculative.assistants import (HEAD_ASSISTANTS, default_draft_tokens, make_assistant,
+                                                  make_head_assistant)
     from hf_kvspec.speculative.loop import speculative_generate
 
     fast_forward = False if args.reference_forward else None
@@ -329,9 +332,8 @@ def _speculative_kwargs(args, model) -> dict:
     if args.assistant in HEAD_ASSISTANTS:
         assistant = make_head_assistant(args.assistant, model, args.tree, args.num_draft_tokens, args.draft_vocab_size)
     else:
-        default = "auto" if args.assistant.startswith("lookahead") else 4  # lookahead sizes its own rounds
-        num_draft_tokens = default if args.num_draft_tokens is None else args.num_draft_tokens
-        assistant = make_assistant(args.assistant, model, num_draft_tokens)
+        count = default_draft_tokens(args.assistant) if args.num_draft_tokens is None else args.num_draft_tokens
+        assistant = make_assistant(args.assistant, model, count)
     decode_kernels = True if args.decode_kernels else False if args.stock_kernels else None  # None: on where it helps
     return {"custom_generate": speculative_generate, "assistant": assistant, "decode_kernels": decode_kernels,
             "fast_forward": fast_forward}

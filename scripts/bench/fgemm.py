@@ -22,7 +22,8 @@ import torch.nn.functional as F
 
 from bench.harness import Report, load_averages
 from hf_kvspec.kernels.fp32 import fp32_linear, pack_fp32
-from hf_kvspec.kernels.ops import make_copy, onednn_available, run as run_kernel
+from hf_kvspec.kernels.ops import make_copy, onednn_available
+from hf_kvspec.kernels.ops import run as run_kernel
 
 # (O, I) of one fused SmolLM2-135M decoder layer: qkv, o, gate_up, down
 LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]

@@ -119,12 +119,17 @@ def check_assistant_spec(spec: str) -> None:
 
 
 def build_assistant(spec: str, model):
-    """The assistant ``hf-kvspec generate --assistant <spec>`` builds: its defaults (K = 4 where it takes one)."""
-    from hf_kvspec.speculative.assistants import HEAD_ASSISTANTS, make_assistant, make_head_assistant
+    """The assistant ``hf-kvspec generate --assistant <spec>`` builds: its defaults (``default_draft_tokens``)."""
+    from hf_kvspec.speculative.assistants import (
+        HEAD_ASSISTANTS,
+        default_draft_tokens,
+        make_assistant,
+        make_head_assistant,
+    )
 
     if spec in HEAD_ASSISTANTS:
         return make_head_assistant(spec, model)
-    return make_assistant(spec, model, "auto" if spec.startswith("lookahead") else 4)
+    return make_assistant(spec, model, default_draft_tokens(spec))
 
 
 class _FirstToken:

@@ -254,11 +254,16 @@ def _assistants(model, tokenizer, args, report, curve: dict[int, float]) -> None
 
 def _default_assistant(spec: str, model):
     """The assistant ``hf-kvspec generate --assistant SPEC`` builds (its defaults)."""
-    from hf_kvspec.speculative.assistants import HEAD_ASSISTANTS, make_assistant, make_head_assistant
+    from hf_kvspec.speculative.assistants import (
+        HEAD_ASSISTANTS,
+        default_draft_tokens,
+        make_assistant,
+        make_head_assistant,
+    )
 
     if spec in HEAD_ASSISTANTS:
         return make_head_assistant(spec, model)
-    return make_assistant(spec, model, "auto" if spec.startswith("lookahead") else 4)
+    return make_assistant(spec, model, default_draft_tokens(spec))
 
 
 def _assistant_rows(report, kind: str, rows: dict, count: int, curve: dict[int, float]) -> None:

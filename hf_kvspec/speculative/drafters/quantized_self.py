@@ -34,7 +34,7 @@ WEIGHTS = ("int8", "int4")
 
 
 class QuantizedSelfAssistant(Assistant):
-    """``QuantizedSelfAssistant(target, weights="int8", num_draft_tokens=4)``: the target drafts for itself from a
+    """``QuantizedSelfAssistant(target, weights="int8", num_draft_tokens=8)``: the target drafts for itself from a
     weight-only quantized copy of its linear layers (``"int8"``: per-row scales; ``"int4"``: groups of 32); needs
     an fp32 Llama-family target on CPU with a ``DynamicCache`` (the fast forward's models and cache).
     ``sample_drafts=False`` drafts the copy's argmax when the call samples (verified as point masses)."""
@@ -42,7 +42,7 @@ class QuantizedSelfAssistant(Assistant):
     shares_target_cache = True
     can_drop_rows = True  # no per-row state survives a round
 
-    def __init__(self, target, weights: str = "int8", num_draft_tokens: int | str = 4, max_draft_tokens: int = 16,
+    def __init__(self, target, weights: str = "int8", num_draft_tokens: int | str = 8, max_draft_tokens: int = 16,
                  sample_drafts: bool = True):
         super().__init__(num_draft_tokens, max_draft_tokens)
         if weights not in WEIGHTS:
