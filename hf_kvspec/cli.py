@@ -322,8 +322,12 @@ def _print_comparison(name, out, elapsed, plain_out, plain_elapsed, prompt_len, 
 def _speculative_kwargs(args, model) -> dict:
     """``generate`` kwargs: hf_kvspec's loop (plain decoding without ``--assistant``) on the fast forward unless
     ``--reference-forward``."""
-    from hf_kvspec.speculative.assistants import (HEAD_ASSISTANTS, default_draft_tokens, make_assistant,
-                                                  make_head_assistant)
+    from hf_kvspec.speculative.assistants import (
+        HEAD_ASSISTANTS,
+        default_draft_tokens,
+        make_assistant,
+        make_head_assistant,
+    )
     from hf_kvspec.speculative.loop import speculative_generate
 
     fast_forward = False if args.reference_forward else None
