@@ -99,9 +99,14 @@ class FastForward:
         if positions is None:
             start = cache.get_seq_length()
             positions = torch.arange(start, start + input_ids.shape[1]).expand(input_ids.shape[0], -1)
-        attend = CacheAttention(cache, inputs.get("attention_mask"), input_ids.shape[1], self.packed.dims.scaling)
-        logits, features = self.run(input_ids, positions, attend, inputs.get("logits_to_keep") or 0, feature_layers)
-        return logits, features, cache
+        # inference mode skips autograd's view and version bookkeeping (measured: ~2-4 ms of a ~28 ms step under
+        # no_grad); the cache's buffers become inference tensors, which later forwards read and our appends write
+        # inside inference mode again; the results handed back are ordinary tensors (cloned)
+        with torch.inference_mode():
+            attend = CacheAttention(cache, inputs.get("attention_mask"), input_ids.shape[1], self.packed.dims.scaling)
+            logits, features = self.run(input_ids, positions, attend, inputs.get("logits_to_keep") or 0,
+                                        feature_layers)
+        return logits.clone(), None if features is None else features.clone(), cache
 
     def run(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attend: program.Attend,
             logits_to_keep: int | torch.Tensor = 0, feature_layers: Sequence[int] | None = None):

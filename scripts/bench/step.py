@@ -25,6 +25,7 @@ call's wall seconds (prefill included); the load average is recorded before and 
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import statistics
 import subprocess
@@ -129,8 +130,9 @@ def _time(call, repeats: int = 12) -> float:
     return min(samples)
 
 
+LINEAR_EVENT = "hf_kvspec::packed_linear"  # the fast forward's projections (C kernels the profiler cannot see)
 CATEGORIES = (("linear", ("aten::mm", "aten::addmm", "aten::linear", "aten::matmul", "mkldnn::_linear_pointwise",
-                          "aten::bmm")),
+                          "aten::bmm", LINEAR_EVENT)),
               ("attention", ("aten::scaled_dot_product_attention", "aten::_scaled_dot_product_flash_attention_for_cpu",
                              "aten::_scaled_dot_product_attention_math")),
               ("KV append (cat)", ("aten::cat",)))
@@ -146,7 +148,7 @@ def _profile(model, report) -> None:
             with _with_forward(model, kind):
                 call = _forward_fn(model, kind, cache, ids)
                 wall = _time(call)
-                with torch.inference_mode(), profile(activities=[ProfilerActivity.CPU]) as prof:
+                with torch.inference_mode(), _projections_recorded(), profile(activities=[ProfilerActivity.CPU]) as prof:
                     for _ in range(10):
                         call()
             split = _categories(prof.key_averages(), 10)
@@ -156,6 +158,28 @@ def _profile(model, report) -> None:
                            detail=category)
             report.add(part="profile", case=f"T={tokens}", method=kind, value=round(wall * 1e3, 2), unit="ms",
                        detail="wall (no profiler)")
+
+
+@contextlib.contextmanager
+def _projections_recorded():
+    """The fast forward's projections as one profiler event each (their C kernels run outside torch's ops)."""
+    from hf_kvspec.forward import packed
+
+    originals = {cls: cls.__call__ for cls in (packed.PanelLinear, packed.PackedLinear)}
+
+    def recorded(original):
+        def call(self, x):
+            with torch.profiler.record_function(LINEAR_EVENT):
+                return original(self, x)
+        return call
+
+    try:
+        for cls, original in originals.items():
+            cls.__call__ = recorded(original)
+        yield
+    finally:
+        for cls, original in originals.items():
+            cls.__call__ = original
 
 
 def _categories(events, calls: int) -> dict[str, float]:
