@@ -479,6 +479,10 @@ def _add_batch(subparsers) -> None:
     p.add_argument("--num-draft-tokens", type=_count(1), default=None,
                    help="with --assistant: drafts (tree nodes) per request per round at most (default: ngram and "
                         "draft models 4, eagle and medusa 8); the token budget may grant fewer")
+    p.add_argument("--reference-forward", action="store_true",
+                   help="the engine's rounds on the model's own forward instead of hf_kvspec's fast forward "
+                        "(packed weight copies; on by default for fp32 Llama-family models; same results up to "
+                        "rounding)")
     p.add_argument("--threads", type=_count(1), default=2)
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=_run_batch, check=functools.partial(_check_batch, p))
@@ -539,7 +543,7 @@ def _run_batch(args) -> None:
     engine = Engine(model, tokenizer, kv_budget=args.kv_budget, block_size=args.block_size,
                     max_tokens_per_round=args.max_tokens_per_round, max_running=args.max_running,
                     enable_prefix_caching=not args.no_prefix_caching, assistant=args.assistant,
-                    num_draft_tokens=args.num_draft_tokens)
+                    num_draft_tokens=args.num_draft_tokens, fast_forward=False if args.reference_forward else None)
     started = time.perf_counter()
     with ResultWriter(args.out) as writer:
         try:
@@ -575,6 +579,10 @@ def _add_serve(subparsers) -> None:
     p.add_argument("--bundled", nargs="?", const="smollm2-135m-instruct", default=None, metavar="NAME",
                    help="serve a bundled model (default smollm2-135m-instruct)")
     p.add_argument("--assistant", default=None, help="speculative decoding inside the engine (an assistant spec)")
+    p.add_argument("--reference-forward", action="store_true",
+                   help="the engine's rounds on the model's own forward instead of hf_kvspec's fast forward "
+                        "(packed weight copies; on by default for fp32 Llama-family models; same results up to "
+                        "rounding)")
     p.add_argument("--served-model-name", default=None, help="the id /v1/models lists (default: the model's name)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=_port, default=8000)
@@ -647,7 +655,8 @@ def _run_serve(args) -> None:
     engine_kwargs = {"assistant": args.assistant} if args.assistant is not None else {}
     engine = Engine(model, tokenizer, kv_budget=args.kv_budget, block_size=args.block_size,
                     max_tokens_per_round=args.max_tokens_per_round, max_running=args.max_running,
-                    enable_prefix_caching=not args.no_prefix_caching, **engine_kwargs)
+                    enable_prefix_caching=not args.no_prefix_caching,
+                    fast_forward=False if args.reference_forward else None, **engine_kwargs)
     config = ServerConfig(model_name=args.served_model_name or args.bundled or args.model,
                           max_queue=args.max_queue, drain_timeout_s=float(args.drain_timeout),
                           max_body_bytes=args.max_body_bytes)

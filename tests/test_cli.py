@@ -167,3 +167,18 @@ def test_the_paged_pool_is_sized_for_a_tree_round():
     out, plain = _paged_tree_run(lambda assistant: cache_tokens(16, 16, assistant))
     assert torch.equal(out, plain)
     assert cache_tokens(16, 16, None) == 32  # plain decoding and chains: no extra room
+
+
+@pytest.mark.parametrize("flags", [[], ["--reference-forward"]])
+def test_reference_forward_reaches_generate_batch_and_serve(flags):
+    """``--reference-forward`` asks every command for the model's own forward (``fast_forward=False``); without it
+    the choice is the library's (``None``: the fast forward where it applies)."""
+    from hf_kvspec.cli import _speculative_kwargs, build_parser
+    from tests.tiny_models import tiny_model
+
+    expected = False if flags else None
+    args = build_parser().parse_args(["generate", "hi", *flags])
+    kwargs = _speculative_kwargs(args, tiny_model("llama"))
+    assert kwargs["assistant"] is None and kwargs["fast_forward"] is expected  # plain decoding through the loop
+    for command in (["batch", "prompts.jsonl", "--out", "out.jsonl"], ["serve", "--bundled"]):
+        assert build_parser().parse_args([*command, *flags]).reference_forward is bool(flags)
