@@ -1,8 +1,9 @@
 """Who runs a model's forward in a decode loop: the reference (the model's own forward) or the fast forward.
 
 Boundary: one object per model and call, chosen once (``choose_forward``) and passed to whoever needs a forward
-(``speculative_generate``'s prefill and verify forwards, plain decoding through the same loop, a quantized
-drafter); the model itself is never changed. Packing is ``packed.py``, the math ``program.py``, attention over
+(``speculative_generate``'s prefill and verify forwards, plain decoding through the same loop, a draft model, a
+quantized drafter, the engine's packed forward through ``FastForward.run`` with its own attention); the model
+itself is never changed. Packing is ``packed.py``, the math ``program.py``, attention over
 the cache ``attend.py``.
 
     forward = choose_forward(model, fast=None)   # None: fast where it applies and pays, True: fast or an error
