@@ -249,6 +249,7 @@ def _run_generate(args) -> None:
     sampling = {"do_sample": True, "temperature": args.temperature} if args.temperature > 0 else {"do_sample": False}
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
     _calibrate_kernels(model, speculative)
+    _pack_fast_forward(model, speculative, args.cache)
     plain = None
     if args.compare_plain:  # first, so both runs find the model warm
         print("plain decoding (reference, not shown) ...", flush=True)
@@ -284,6 +285,17 @@ def _calibrate_kernels(model, speculative: dict) -> None:
         seconds = kernels.calibrate(max_rows=32)
     if seconds > 0:
         print(f"calibrated the decode kernels for this machine in {seconds:.1f} s (stored; done once)", flush=True)
+
+
+def _pack_fast_forward(model, speculative: dict, cache_name: str) -> None:
+    """Pack the fast forward's weight copies before anything is timed (once per process), and say so."""
+    from hf_kvspec.forward.runner import FastForward, fast_forward_applies
+
+    if cache_name != "dynamic" or speculative["fast_forward"] is False or not fast_forward_applies(model):
+        return
+    seconds = FastForward(model).pack_s
+    if seconds > 0:
+        print(f"packed the weights for the fast forward in {seconds:.1f} s (once per process)", flush=True)
 
 
 def _timed(model, inputs, cache, max_new_tokens, sampling, speculative, streamer=None):
