@@ -219,3 +219,16 @@ def test_appends_into_spare_columns_match_dynamic_cache_updates():
     step(1, rows=2)
     step(300, rows=2)  # past the buffer's capacity: grows
     assert ours.get_seq_length() == reference.get_seq_length() == 310
+
+
+def test_norm_and_rotary_are_bitwise_the_modules_formulas():
+    """The program's RMSNorm and rotary against transformers' formulas written out: equal bit for bit."""
+    from hf_kvspec.forward import program
+
+    torch.manual_seed(0)
+    x, weight = torch.randn(2, 5, 96), torch.randn(96)
+    assert torch.equal(program.rms_norm(x, weight, 1e-6), weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True)
+                                                                                    + 1e-6)))
+    q, cos, sin = torch.randn(2, 4, 5, 16), torch.randn(2, 1, 5, 16), torch.randn(2, 1, 5, 16)
+    rotate_half = torch.cat((-q[..., 8:], q[..., :8]), dim=-1)
+    assert torch.equal(program.rotate(q, cos, program.signed_sin(sin)), q * cos + rotate_half * sin)
