@@ -24,7 +24,6 @@ from __future__ import annotations
 import shlex
 import sys
 import time
-from pathlib import Path
 
 from bench import peer_envs, serve_servers
 from bench.harness import RESULTS_DIR, Report, load_averages

@@ -13,6 +13,7 @@ is made by ``peer_envs.py``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -141,10 +142,8 @@ class ServerProcess:
                 self.process.wait()
             except ProcessLookupError:
                 pass
-        try:  # children left behind in the group (vLLM's engine core)
+        with contextlib.suppress(ProcessLookupError, PermissionError):  # children left in the group (vLLM's core)
             os.killpg(self.process.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
         self._log_file.close()
 
     def __enter__(self) -> ServerProcess:
