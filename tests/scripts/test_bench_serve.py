@@ -196,6 +196,9 @@ def test_measure_and_report_two_servers(tmp_path, monkeypatch):
     assert rows["ours/plain", 1]["identical"] == "3/3" and rows["ours/plain", 1]["vs_ours"] == 1.0
     assert rows["ours/plain", 2]["output_tokens"] == 3 + 3 + 1 and rows["ours/plain", 2]["vs_vllm"] is None
     assert rows["ours/ngram", 1]["identical"] == "0/3" and rows["ours/ngram", 1]["agree"] == 0.0
+    texts = serve.differing_texts(results, [1, 2], prompts)
+    assert texts["reference"] == "ours/plain" and texts["texts"] == ["one two three", "five six seven", "eight"]
+    assert list(texts["differing"]) == ["ours/ngram"] and texts["differing"]["ours/ngram"]["2"]["2"] == "zz eight"
     table = serve.pivot(results, [1, 2])
     assert table.splitlines()[2] == "| server | C = 1 | C = 2 | TPOT p50 at C = 1 |"
     assert table.splitlines()[4].startswith("| ours/plain | ")
