@@ -125,7 +125,7 @@ def run(args) -> None:
     report = build_report(args, servers, results, levels, threads, len(prompts))
     report.notes += notes(args, load_before, results)
     report.notes += [f"FAILED: {name}: {why}" for name, why in failures.items()]
-    path = report.write()
+    path = report.write(RESULTS_DIR)
     path.write_text(path.read_text() + "\n" + pivot(results, levels) + "\n")
     texts = path.with_name(f"{args.name}.texts.json")
     texts.write_text(json.dumps(differing_texts(results, levels, prompts), indent=1))

