@@ -491,10 +491,7 @@ def _add_batch(subparsers) -> None:
     p.add_argument("--num-draft-tokens", type=_count(1), default=None,
                    help="with --assistant: drafts (tree nodes) per request per round at most (default: ngram and "
                         "draft models 4, eagle and medusa 8); the token budget may grant fewer")
-    p.add_argument("--reference-forward", action="store_true",
-                   help="the engine's rounds on the model's own forward instead of hf_kvspec's fast forward "
-                        "(packed weight copies; on by default for fp32 Llama-family models; same results up to "
-                        "rounding)")
+    _add_reference_forward(p)
     p.add_argument("--threads", type=_count(1), default=2)
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=_run_batch, check=functools.partial(_check_batch, p))
@@ -584,6 +581,13 @@ def _print_batch_summary(args, engine, results: list[dict], resumed: int, second
               f"draft tokens {stats['draft_tokens']}, acceptance {'n/a' if rate is None else f'{rate:.0%}'}")
 
 
+def _add_reference_forward(p) -> None:
+    p.add_argument("--reference-forward", action="store_true",
+                   help="the engine's rounds on the model's own forward instead of hf_kvspec's fast forward "
+                        "(packed weight copies; on by default for fp32 Llama-family models; same results up to "
+                        "rounding)")
+
+
 def _add_serve(subparsers) -> None:
     p = subparsers.add_parser("serve", help="an OpenAI-compatible HTTP server on the continuous-batching Engine "
                                             "(docs/serve.md)")
@@ -591,10 +595,7 @@ def _add_serve(subparsers) -> None:
     p.add_argument("--bundled", nargs="?", const="smollm2-135m-instruct", default=None, metavar="NAME",
                    help="serve a bundled model (default smollm2-135m-instruct)")
     p.add_argument("--assistant", default=None, help="speculative decoding inside the engine (an assistant spec)")
-    p.add_argument("--reference-forward", action="store_true",
-                   help="the engine's rounds on the model's own forward instead of hf_kvspec's fast forward "
-                        "(packed weight copies; on by default for fp32 Llama-family models; same results up to "
-                        "rounding)")
+    _add_reference_forward(p)
     p.add_argument("--served-model-name", default=None, help="the id /v1/models lists (default: the model's name)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=_port, default=8000)

@@ -51,7 +51,8 @@ class EagerForward:
     def __init__(self, model: nn.Module):
         self.model = model
 
-    def supports(self, cache) -> bool:
+    @staticmethod
+    def supports(cache) -> bool:
         return True
 
     def __call__(self, inputs: dict, cache, feature_layers: Sequence[int] | None = None):
@@ -86,7 +87,8 @@ class FastForward:
         self.model, self.weights = model, weights
         self.packed, self.pack_s = packed_weights(model, weights)
 
-    def supports(self, cache) -> bool:
+    @staticmethod
+    def supports(cache) -> bool:
         """A ``DynamicCache`` of full-attention layers, or no cache yet (the first forward makes one)."""
         return cache is None or (type(cache) is DynamicCache
                                  and all(type(layer) is DynamicLayer for layer in cache.layers))

@@ -139,6 +139,14 @@ def default_draft_tokens(spec: str) -> int | str:
     return {"self-int8": 8, "self-int4": 6}.get(spec, 4)
 
 
+def default_assistant(spec: str, target):
+    """The assistant ``hf-kvspec generate --assistant SPEC`` builds with no other option: a bundled head with its
+    own defaults, or ``make_assistant`` at ``default_draft_tokens(spec)`` (what the benchmarks compare)."""
+    if spec in HEAD_ASSISTANTS:
+        return make_head_assistant(spec, target)
+    return make_assistant(spec, target, default_draft_tokens(spec))
+
+
 def make_assistant(spec: str, target, num_draft_tokens: int | str = 4):
     """The drafter named by ``spec`` for ``target``; ``num_draft_tokens`` is K or ``"auto"``."""
     from torch import nn

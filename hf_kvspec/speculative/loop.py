@@ -114,20 +114,18 @@ def call_forward(model, assistant: Assistant, cache, fast: bool | None):
     """The call's target forward (``hf_kvspec.forward.choose_forward``): the fast forward unless ``fast`` is False,
     it does not apply to the model or the caller's cache (a ``ValueError`` naming why when ``fast`` is True), or
     the assistant runs the target's layers itself."""
-    from hf_kvspec.forward.runner import EagerForward, choose_forward
+    from hf_kvspec.forward.runner import FastForward, choose_forward
 
-    forward = choose_forward(model, fast)
-    if forward.name == "fast" and not forward.supports(cache):
-        if fast:
-            raise ValueError(f"fast_forward=True runs on a DynamicCache (or none); got {type(cache).__name__}. "
-                             "Drop cache= or pass fast_forward=None (the reference forward for this cache).")
-        return EagerForward(model)
-    if forward.name == "fast" and assistant.runs_verify_forward:
-        if fast:
-            raise ValueError(f"fast_forward=True: {type(assistant).__name__} runs the target's layers itself "
-                             "(self-speculation); pass fast_forward=None or False.")
-        return EagerForward(model)
-    return forward
+    blocked = None  # decided before anything is packed: a call that cannot use the copies never makes them
+    if not FastForward.supports(cache):
+        blocked = (f"fast_forward=True runs on a DynamicCache (or none); got {type(cache).__name__}. Drop cache= "
+                   "or pass fast_forward=None (the reference forward for this cache).")
+    elif assistant.runs_verify_forward:
+        blocked = (f"fast_forward=True: {type(assistant).__name__} runs the target's layers itself "
+                   "(self-speculation); pass fast_forward=None or False.")
+    if blocked is not None and fast is True:
+        raise ValueError(blocked)
+    return choose_forward(model, False if blocked is not None and fast is None else fast)
 
 
 def kernels_apply(model) -> bool:

@@ -100,12 +100,18 @@ def methods(args) -> list[str]:
     unknown = [p for p in peers if p not in PEERS]
     if unknown:
         raise ValueError(f"unknown peer(s) {', '.join(unknown)}; known: {', '.join(PEERS)}")
-    specs = [s for s in args.assistants.split(",") if s]
-    for spec in specs:
-        check_assistant_spec(spec)
+    specs = checked_specs(args.assistants)
     if args.max_new_tokens < 1 or args.num_prompts < 1 or args.repeats < 1:
         raise ValueError("--max-new-tokens, --num-prompts and --repeats must be at least 1")
     return [REFERENCE, *[f"ours/{s}" for s in specs], *(["transformers"] if args.stock else []), *peers]
+
+
+def checked_specs(text: str) -> list[str]:
+    """The assistant specs of a comma list, each checked as ``--assistant`` is (empty items dropped)."""
+    specs = [s for s in text.split(",") if s]
+    for spec in specs:
+        check_assistant_spec(spec)
+    return specs
 
 
 def check_assistant_spec(spec: str) -> None:
@@ -119,17 +125,10 @@ def check_assistant_spec(spec: str) -> None:
 
 
 def build_assistant(spec: str, model):
-    """The assistant ``hf-kvspec generate --assistant <spec>`` builds: its defaults (``default_draft_tokens``)."""
-    from hf_kvspec.speculative.assistants import (
-        HEAD_ASSISTANTS,
-        default_draft_tokens,
-        make_assistant,
-        make_head_assistant,
-    )
+    """The assistant ``hf-kvspec generate --assistant <spec>`` builds: its defaults (``default_assistant``)."""
+    from hf_kvspec.speculative.assistants import default_assistant
 
-    if spec in HEAD_ASSISTANTS:
-        return make_head_assistant(spec, model)
-    return make_assistant(spec, model, default_draft_tokens(spec))
+    return default_assistant(spec, model)
 
 
 class _FirstToken:

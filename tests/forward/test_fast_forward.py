@@ -179,13 +179,17 @@ def test_plain_decoding_on_the_fast_forward_equals_generate(model):
     assert _generate(model, ids, attention_mask=mask, fast_forward=False).acceptance.forward == {"forward": "eager"}
 
 
-def test_a_cache_the_fast_forward_cannot_use(model):
+def test_a_cache_the_fast_forward_cannot_use(model, monkeypatch):
     ids = torch.tensor([[4, 5, 6]])
     static = StaticCache(config=model.config, max_cache_len=32)
     with pytest.raises(ValueError, match=r"DynamicCache.*StaticCache"):
         _generate(model, ids, cache=static, fast_forward=True)
     out = _generate(model, ids, cache=StaticCache(config=model.config, max_cache_len=32), fast_forward=None)
     assert out.acceptance.forward["forward"] == "eager"
+    monkeypatch.setattr(runner, "MIN_LINEAR_ELEMENTS", 0)  # auto would pick the fast forward for this model
+    fresh = tiny_model("llama", seed=11)
+    _generate(fresh, ids, cache=StaticCache(config=fresh.config, max_cache_len=32), fast_forward=None)
+    assert fresh not in runner._PACKED  # a call that cannot use the copies never makes them
     assert _generate(model, ids, cache=DynamicCache(config=model.config), fast_forward=True).acceptance.forward[
         "forward"] == "fast"
 

@@ -60,3 +60,14 @@ def test_cli_decode_kernels_default_to_the_loops_choice(flags, expected):
 
     args = build_parser().parse_args(["generate", "hi", "--assistant", "ngram", *flags])
     assert _speculative_kwargs(args, tiny_model("llama"))["decode_kernels"] is expected
+
+
+def test_default_assistants_take_their_spec_default_draft_length():
+    """``default_assistant`` is what ``hf-kvspec generate --assistant SPEC`` builds: K from ``default_draft_tokens``."""
+    from hf_kvspec.speculative.assistants import default_assistant, default_draft_tokens
+    from tests.tiny_models import tiny_model
+
+    target = tiny_model("llama")
+    assert default_draft_tokens("self-int8") == 8 and default_draft_tokens("lookahead:5:4:5") == "auto"
+    assert default_assistant("ngram", target).num_draft_tokens == 4
+    assert default_assistant("lookahead", target).num_draft_tokens == "auto"

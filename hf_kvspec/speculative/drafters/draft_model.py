@@ -74,8 +74,7 @@ class DraftModelAssistant(Assistant):
     def _draft_forward(self):
         from hf_kvspec.forward.runner import choose_forward
 
-        forward = choose_forward(self.model, self.fast_forward)
-        return forward if forward.supports(self.cache) else choose_forward(self.model, False)
+        return choose_forward(self.model, self.fast_forward)  # the draft cache is a DynamicCache of its config
 
     def kernel_modules(self) -> tuple:
         return (self.model,)
