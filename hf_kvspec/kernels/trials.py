@@ -96,9 +96,10 @@ def group_label(model: nn.Module) -> str:
 
 
 def _forget(label: str) -> None:
+    """Drops a collected model's plans; runs from its finalizer, so at any allocation of any thread's code."""
     for table in (PLANS, SECONDS):
-        for key in [key for key in table if key[0] == label]:
-            del table[key]
+        for key in [key for key in table.copy() if key[0] == label]:
+            table.pop(key, None)
 
 
 def shape_key(module: nn.Linear, group: str = "") -> tuple:
@@ -128,7 +129,8 @@ def plans() -> dict[str, dict[str, dict[str, str]]]:
     ``{"LlamaForCausalLM#0": {"49152x576@1t": {"1": "transposed", "2-4": "onednn"}}}``
     (shape ``OxI``, ``+bias`` when it has one, torch threads)."""
     result: dict[str, dict[str, dict[str, str]]] = {}
-    for (group, out, inp, bias, threads), buckets in PLANS.items():
+    # a copy: a model collected mid-loop runs ``_forget`` (its finalizer) and would resize ``PLANS`` under the loop
+    for (group, out, inp, bias, threads), buckets in PLANS.copy().items():
         shape = f"{out}x{inp}" + ("+bias" if bias else "") + f"@{threads}t"
         result.setdefault(group, {})[shape] = {bucket_name(index): kernel for index, kernel in sorted(buckets.items())}
     return result

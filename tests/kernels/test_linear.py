@@ -598,3 +598,23 @@ def test_calibrate_settles_every_bucket_up_front(monkeypatch):
         assert kernels.calibrate(max_rows=16) > 0
         assert set(_plan(net, "1000x320+bias")) == {"1", "2-4", "5-8", "9-16"}
         assert kernels.calibrate(max_rows=16) == 0  # nothing left to time
+
+
+class _CollectedMidLoop(dict):
+    """A plan table whose iteration runs a model's finalizer after the first entry, as a collection can."""
+
+    def items(self):
+        for index, item in enumerate(super().items()):
+            if index == 0:
+                trials._forget("A#0")
+            yield item
+
+
+def test_plans_survive_a_model_collected_while_they_are_listed(monkeypatch):
+    table = _CollectedMidLoop({("A#0", 8, 4, False, 1): {0: "stock"}, ("B#1", 8, 4, False, 1): {1: "onednn"}})
+    monkeypatch.setattr(trials, "PLANS", table)
+    monkeypatch.setattr(trials, "SECONDS", {("A#0", 8, 4, False, 1): {0: {"stock": 1.0}}})
+    listed = trials.plans()  # no "dictionary changed size during iteration"
+    assert listed["B#1"] == {"8x4@1t": {"2-4": "onednn"}}
+    trials._forget("A#0")
+    assert ("A#0", 8, 4, False, 1) not in trials.PLANS and not trials.SECONDS
