@@ -22,7 +22,11 @@ Threads: the public methods hold one reentrant lock, so ``step``, ``add_request`
 
 With an assistant, each decoding request drafts through its own session (``drafting.py``), within the slots the
 scheduler granted it, and its drafts are verified in the same forward (``speculation.py``): the round commits,
-per request, the accepted path plus one token and rolls the rest of its K/V back.
+per request, the accepted path plus one token and rolls the rest of its K/V back. How many tokens each request
+drafts is chosen per round from load (``hf_kvspec.speculative.draft_budget``): the measured cost of the packed
+forward against its token count, each drafter call's cost and each request's running acceptance, maximising the
+round's expected tokens per second; a request at K = 0 takes the plain path (no draft call, no verify row), so a
+round where nobody drafts is the plain engine's round.
 
 Greedy output of each request is the same as ``model.generate(prompt, do_sample=False)`` on that prompt alone
 (``tests/serving``), whoever else is running, however its prompt was chunked, shared or recomputed.
@@ -39,6 +43,7 @@ from dataclasses import dataclass
 import torch
 
 from hf_kvspec.cache.ragged import RaggedPagedCache
+from hf_kvspec.speculative.draft_budget import Candidate, DraftBudget
 from hf_kvspec.speculative.drafters.base import DraftProposal
 
 from .attention import register_ragged_attention
@@ -88,6 +93,10 @@ class Engine:
             model, Medusa, EAGLE) or a spec string (``"ngram"``, ``"eagle"``, ``"medusa"``, ``"draft:<dir>"``).
         num_draft_tokens: drafts (tree nodes) per request per round at most; default the assistant's own size
             (``drafting.AUTO_DRAFT_TOKENS`` for ``"auto"``). The token budget may grant fewer.
+        draft_lengths: ``"goodput"`` (default): each round gives each drafting request the K in
+            ``0 .. num_draft_tokens`` that maximises the round's expected tokens per second, from measured costs and
+            acceptance (``draft_budget.py``); ``"fixed"``: every decoding request drafts ``num_draft_tokens`` (the
+            reference; speculation may then cost more than it gains under load).
         fast_forward: the rounds' packed forward on ``hf_kvspec.forward``'s fast forward (packed weight copies):
             ``None`` where it applies and pays (fp32 Llama-family models on CPU), ``True`` or an error naming why
             not, ``False`` the model's own forward (the reference).
@@ -96,11 +105,14 @@ class Engine:
     def __init__(self, model, tokenizer=None, *, kv_budget: int | str = "256MB", block_size: int = 16,
                  max_tokens_per_round: int = 256, max_running: int = 16, policy: SchedulingPolicy | None = None,
                  enable_prefix_caching: bool = True, assistant=None, num_draft_tokens: int | None = None,
-                 fast_forward: bool | None = None):
+                 fast_forward: bool | None = None, draft_lengths: str = "goodput"):
         for name, value in (("block_size", block_size), ("max_tokens_per_round", max_tokens_per_round),
                             ("max_running", max_running)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+        if draft_lengths not in ("goodput", "fixed"):
+            raise ValueError(f"draft_lengths must be 'goodput' (chosen per round from load) or 'fixed', got "
+                             f"{draft_lengths!r}.")
         register_ragged_attention()
         self.model, self.tokenizer = model, tokenizer
         num_blocks = RaggedPagedCache.blocks_for(model.config, kv_budget, block_size, model.dtype, model.device)
@@ -116,6 +128,7 @@ class Engine:
         self.failed_round: tuple[int, ...] = ()  # request ids of the last round that raised (a server fails them)
         self._max_positions = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
         self.drafters = None if assistant is None else self._drafters(assistant, num_draft_tokens)
+        self.budget = DraftBudget() if self.drafters is not None and draft_lengths == "goodput" else None
 
     @property
     def vocab_size(self) -> int:
@@ -284,7 +297,7 @@ class Engine:
                 return plan, []
             sampling = [row.request for row in plan.rows if row.samples]
             generators = [(r.generator, r.generator.get_state()) for r in sampling if r.generator is not None]
-            verify = self._draft(plan)
+            verify = self._draft(plan, self._draft_lengths(plan))
             return plan, self._forward_and_choose(plan, verify)
         except BaseException:
             self.failed_round = () if plan is None else tuple(row.request.request_id for row in plan.rows)
@@ -299,22 +312,42 @@ class Engine:
         for request in self.scheduler.running:
             request.draft_limit = self.drafters.draft_limit(request) if self.drafters and request.is_decoding else 0
 
-    def _draft(self, plan: RoundPlan) -> dict[int, VerifyRow]:
-        """Drafts of the round's decode rows whose requests have a drafter session, at most the slots granted
-        (``VerifyRow`` by row index; a row granted none verifies no drafts but still goes through acceptance)."""
+    def _drafting_rows(self, plan: RoundPlan) -> dict[int, int]:
+        """Row index -> drafts it may verify, for the decode rows whose requests have a drafter session."""
+        if self.drafters is None:
+            return {}
+        return {index: min(row.draft_tokens, row.request.draft_limit) for index, row in enumerate(plan.rows)
+                if row.samples and row.num_tokens == 1 and self.drafters.has_session(row.request)}
+
+    def _draft_lengths(self, plan: RoundPlan) -> dict[int, int]:
+        """Row index -> drafts to ask for: the slots granted (``"fixed"``), or the goodput choice."""
+        rows = self._drafting_rows(plan)
+        if self.budget is None or not rows:
+            return rows
+        candidates = [Candidate(plan.rows[i].request.request_id, count) for i, count in rows.items()]
+        base = sum(row.num_tokens for row in plan.rows)
+        chosen = self.budget.plan(base, sum(row.samples for row in plan.rows), candidates)
+        return {i: chosen[plan.rows[i].request.request_id] for i in rows}
+
+    def _draft(self, plan: RoundPlan, lengths: dict[int, int]) -> dict[int, VerifyRow]:
+        """Drafts of the rows in ``lengths`` (row index -> count; ``VerifyRow`` by row index). Under the goodput
+        choice a row at 0 takes the plain path; under ``"fixed"`` it verifies no drafts but goes through
+        acceptance."""
         verify = {}
-        for index, row in enumerate(plan.rows):
-            request = row.request
-            if not (self.drafters and row.samples and row.num_tokens == 1 and self.drafters.has_session(request)):
+        for index, count in lengths.items():
+            request = plan.rows[index].request
+            if count == 0 and self.budget is not None:
                 continue
-            count = min(row.draft_tokens, request.draft_limit)
-            session = self.drafters.sessions[request.request_id]
+            started = time.perf_counter()
             try:
-                proposal = (session.propose(request, count, self.drafters.max_depth(request), request_processor(request))
-                            if count > 0 else DraftProposal(torch.zeros(1, 0, dtype=torch.long)))
+                proposal = (self.drafters.sessions[request.request_id].propose(
+                    request, count, self.drafters.max_depth(request), request_processor(request))
+                    if count > 0 else DraftProposal(torch.zeros(1, 0, dtype=torch.long)))
             except BaseException:
                 self._forget_drafts(request)
                 raise
+            if self.budget is not None:
+                self.budget.record_draft(count, time.perf_counter() - started)
             verify[index] = VerifyRow(request, proposal)
         return verify
 
@@ -322,7 +355,10 @@ class Engine:
         """The packed forward (features too, when the assistant reads them) and every row's new tokens."""
         rows = [verify[i].forward_row() if i in verify else ForwardRow.scheduled(row) for i, row in enumerate(plan.rows)]
         layers = self.drafters.feature_layers if self.drafters else None
+        started = time.perf_counter()
         logits, features = self.runner.forward_with_features(rows, layers)  # [K, V], [T, F] | None
+        if self.budget is not None:
+            self.budget.record_forward(sum(len(row.token_ids) for row in rows), time.perf_counter() - started)
         results, at, column = [], 0, 0
         for index, (row, forward_row) in enumerate(zip(plan.rows, rows)):
             count, width = len(forward_row.logits_at), len(forward_row.token_ids)
@@ -360,6 +396,8 @@ class Engine:
         new, reason = self._append(request, result.verdict.tokens, now)
         if result.verified:
             request.metrics.record_speculation(result.verdict.num_draft, result.verdict.num_accepted, len(new))
+            if self.budget is not None:
+                self.budget.record_verdict(request.request_id, result.verdict.num_draft, result.verdict.num_accepted)
         if reason is not None:
             request.finish(reason, now)
             self.scheduler.remove(request)
@@ -380,7 +418,8 @@ class Engine:
         return tokens, None
 
     def _keep(self, request: Request, row: ScheduledRow, result: RowResult) -> None:
-        """A request that goes on: keep its verified path in the cache, tell its drafter, or begin one."""
+        """A request that goes on: keep its verified path in the cache, tell its drafter (a plain row of a request
+        with a session is a round that drafted nothing), or begin one."""
         verdict = result.verdict
         if result.verified:
             kept = verdict.kept
@@ -392,6 +431,10 @@ class Engine:
             path = None if result.features is None else result.features[kept][None]  # [1, 1 + k, F]
             self.drafters.sessions[request.request_id].observe(
                 request.num_computed, verdict.num_accepted, verdict.num_draft, path, verdict.accepted_nodes)
+        elif self.drafters is not None and self.drafters.has_session(request) and row.num_tokens == 1:
+            path = None if result.features is None else result.features[:1][None]  # [1, 1, F] the root's
+            self.drafters.sessions[request.request_id].observe(
+                request.num_computed, 0, 0, path, torch.zeros(1, 0, dtype=torch.long))
         elif self.drafters is not None:
             self._gather_features(request, result.features)
             self.drafters.start(request)
@@ -403,6 +446,8 @@ class Engine:
     def _forget_drafts(self, request: Request) -> None:
         if self.drafters is not None:
             self.drafters.drop(request)
+        if self.budget is not None:
+            self.budget.release([request.request_id])
 
     def _on_admitted(self, request: Request, cached_tokens: int) -> None:
         """Prefix-reuse figures of an admission (a recompute after preemption counts too)."""

@@ -1,0 +1,212 @@
+"""Draft lengths by load: the draft length K of every drafting request in a shared forward, chosen together to
+maximise the round's expected output tokens per second (goodput).
+
+Boundary: numbers only. The caller (the serving engine) measures its forwards, drafts and verdicts and reports
+them here (``record_forward``, ``record_draft``, ``record_verdict``, ``release``); ``plan`` returns a K per
+request. No tensors, no models, no requests.
+
+Model. A packed forward of T tokens costs ``f(T)`` seconds (``ForwardCost``, learned from the rounds themselves).
+Drafting K tokens for one request costs ``d(K) = a + b K`` seconds (a decayed least-squares line over the
+assistant's timed draft calls; 0 until one was timed). A request whose drafts are accepted one after another with
+probability ``alpha`` (i.i.d., Leviathan et al. arXiv 2211.17192) emits ``E(K) = sum_{k=0..K} alpha^k`` tokens, so
+its k-th draft adds ``alpha^k``. A round with base tokens ``T0`` (decode and prefill rows) and ``S`` sampling rows
+has goodput (the next token of every sampling row, plus the accepted drafts)
+
+    G = (S + sum_i (E_i(K_i) - 1)) / (f(T0 + sum_i K_i) + sum_{i: K_i > 0} d_i(K_i))
+
+Since each ``E_i`` is concave, the best way to spend m draft tokens is on the m largest marginal gains
+``alpha_i^k``; ``plan`` walks m = 0, 1, ... over those gains in order and keeps the best m. m = 0, everybody at
+K = 0, is the plain round (the engine then runs its plain path, no drafting call at all). This is TurboSpec's
+goodput criterion (arXiv 2406.14066) with our own cost curve, and vLLM's per-batch-size table
+(``num_speculative_tokens_per_batch_size``) falls out of it: more rows make ``f`` steeper, so K shrinks to 0.
+
+Acceptance per request: decayed counts of accepted drafts and rejections (the truncated-geometric maximum
+likelihood, as ``autok.py``), started from the pooled estimate of all requests so far (worth ``PRIOR_WEIGHT``
+observations). A request at K = 0 is not measured, so its own evidence fades each idle round (it drifts back to
+the pooled estimate, which the drafting requests keep current), and after ``PROBE_EVERY`` idle rounds it is
+granted a short probe (``PROBE_TOKENS``) if the probe costs at most ``PROBE_LOSS`` of the round's best goodput
+(near break-even); a drafter whose drafts cost more than that never pays for probes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from hf_kvspec.speculative.autok import _Decayed
+
+#: relative cost of a T-token packed forward (T = 1 -> 1.0) before the rounds measured T's bucket: the fast
+#: forward's curve on a 2-core AVX2 CPU (docs/fast_forward.md); measured buckets replace it
+PRIOR_CURVE = ((1, 1.0), (2, 1.18), (4, 1.29), (8, 1.51), (16, 2.46), (32, 4.3), (64, 8.0), (128, 15.5), (256, 30.0))
+DECAY = 0.9  # weight an older observation keeps
+PRIOR_WEIGHT = 2.0  # observations the pooled acceptance is worth in a request's own estimate
+PROBE_EVERY = 8  # rounds at K = 0 before a request may be probed
+PROBE_TOKENS = 2  # drafts of a probe
+PROBE_LOSS = 0.01  # a probe may cost at most this share of the round's best goodput
+
+
+def _bucket(tokens: int) -> int:
+    """Power-of-two bucket of a forward's token count: 1, 2, 3-4, 5-8, ... -> 0, 1, 2, 3, ..."""
+    return max(tokens - 1, 0).bit_length()
+
+
+class ForwardCost:
+    """``f(T)``: seconds of a packed forward of T tokens, per power-of-two bucket of T, learned from the rounds
+    (decayed mean of (T, seconds) per bucket, linear between measured buckets, the prior curve's shape beyond)."""
+
+    def __init__(self, decay: float = DECAY):
+        self.decay = decay
+        self.buckets: dict[int, list[float]] = {}  # bucket -> decayed [weight, sum T, sum seconds]
+
+    def record(self, tokens: int, seconds: float) -> None:
+        entry = self.buckets.setdefault(_bucket(tokens), [0.0, 0.0, 0.0])
+        entry[0] = self.decay * entry[0] + 1
+        entry[1] = self.decay * entry[1] + tokens
+        entry[2] = self.decay * entry[2] + seconds
+
+    def points(self) -> list[tuple[float, float]]:
+        """(mean T, mean seconds) of each measured bucket, in order of T."""
+        return [(w_t / w, w_s / w) for _, (w, w_t, w_s) in sorted(self.buckets.items())]
+
+    def __call__(self, tokens: int) -> float:
+        points = self.points()
+        if not points:
+            return prior(tokens)  # in units of a one-token forward
+        for (t0, s0), (t1, s1) in zip(points, points[1:]):
+            if t0 <= tokens <= t1:
+                return s0 + (s1 - s0) * (tokens - t0) / max(t1 - t0, 1e-9)
+        t_near, s_near = points[0] if tokens < points[0][0] else points[-1]
+        return s_near * prior(tokens) / prior(t_near)
+
+
+def prior(tokens: float) -> float:
+    """The prior curve at ``tokens`` (linear between its points, proportional past its end)."""
+    if tokens <= PRIOR_CURVE[0][0]:
+        return PRIOR_CURVE[0][1]
+    for (t0, c0), (t1, c1) in zip(PRIOR_CURVE, PRIOR_CURVE[1:]):
+        if tokens <= t1:
+            return c0 + (c1 - c0) * (tokens - t0) / (t1 - t0)
+    last_t, last_c = PRIOR_CURVE[-1]
+    return last_c * tokens / last_t
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A decode row that may draft: its request and the most drafts it may verify (slots granted, tokens left)."""
+
+    request_id: int
+    max_drafts: int
+
+
+class DraftBudget:
+    """Per-request draft lengths from load (module docstring)."""
+
+    def __init__(self, decay: float = DECAY):
+        self.decay = decay
+        self.forward_cost = ForwardCost(decay)
+        self.draft_time = _Decayed(decay)  # x = drafts of one request's call, y = seconds
+        self.pooled = [1.0, 1.0]  # decayed [accepted, rejected] of all requests (prior: alpha = 0.5)
+        self.requests: dict[int, list[float]] = {}  # request id -> decayed [accepted, rejected]
+        self.idle: dict[int, int] = {}  # request id -> rounds at K = 0 since its last draft
+
+    # ---- measurements ----------------------------------------------------------------------------------
+    def record_forward(self, tokens: int, seconds: float) -> None:
+        self.forward_cost.record(tokens, seconds)
+
+    def record_draft(self, drafts: int, seconds: float) -> None:
+        """One request's draft call: ``drafts`` tokens proposed in ``seconds``."""
+        self.draft_time.add(drafts, seconds)
+
+    def record_verdict(self, request_id: int, drafted: int, accepted: int) -> None:
+        if drafted <= 0:
+            return
+        counts = self.requests.setdefault(request_id, [0.0, 0.0])
+        rejected = 1.0 if accepted < drafted else 0.0
+        for table in (counts, self.pooled):
+            table[0] = self.decay * table[0] + accepted
+            table[1] = self.decay * table[1] + rejected
+
+    def release(self, request_ids: Sequence[int]) -> None:
+        """Forget finished, cancelled or preempted requests."""
+        for request_id in request_ids:
+            self.requests.pop(request_id, None)
+            self.idle.pop(request_id, None)
+
+    # ---- estimates -------------------------------------------------------------------------------------
+    def alpha(self, request_id: int) -> float:
+        """The request's acceptance per draft, its own counts over the pooled estimate's prior."""
+        pooled = self.pooled[0] / (self.pooled[0] + self.pooled[1])
+        accepted, rejected = self.requests.get(request_id, (0.0, 0.0))
+        return min((accepted + PRIOR_WEIGHT * pooled) / (accepted + rejected + PRIOR_WEIGHT), 1 - 1e-6)
+
+    def draft_seconds(self, drafts: int) -> float:
+        """``d(K)``: seconds of one request's draft call of ``drafts`` tokens (0 until one was timed)."""
+        if drafts <= 0 or self.draft_time.n == 0:
+            return 0.0
+        intercept, slope = self.draft_time.line(0.0)
+        return intercept + slope * drafts
+
+    # ---- the choice ------------------------------------------------------------------------------------
+    def plan(self, base_tokens: int, sampling_rows: int, candidates: Sequence[Candidate]) -> dict[int, int]:
+        """K per candidate's request (0 for those that should not draft) for a round whose other rows pack
+        ``base_tokens`` tokens and sample ``sampling_rows`` tokens."""
+        gains = sorted(((self.alpha(c.request_id) ** k, c.request_id)
+                        for c in candidates for k in range(1, c.max_drafts + 1)), reverse=True)
+        lengths = dict.fromkeys((c.request_id for c in candidates), 0)
+        best_m, best = self._best_prefix(gains, base_tokens, sampling_rows, lengths)
+        for _, request_id in gains[:best_m]:
+            lengths[request_id] += 1
+        self._probe(lengths, candidates, base_tokens, sampling_rows, best)
+        return lengths
+
+    def _best_prefix(self, gains, base_tokens: int, sampling_rows: int, lengths: dict[int, int]):
+        """(m, goodput) of the best prefix of ``gains`` (marginal gain, request id), largest first."""
+        tokens, seconds_drafting, counts = float(sampling_rows), 0.0, dict(lengths)
+        best_m, best = 0, tokens / max(self.forward_cost(base_tokens), 1e-9)
+        for m, (gain, request_id) in enumerate(gains, start=1):
+            k = counts[request_id] = counts[request_id] + 1
+            tokens += gain
+            seconds_drafting += self.draft_seconds(k) - self.draft_seconds(k - 1)
+            goodput = tokens / max(self.forward_cost(base_tokens + m) + seconds_drafting, 1e-9)
+            if goodput > best:
+                best_m, best = m, goodput
+        return best_m, best
+
+    def _probe(self, lengths: dict[int, int], candidates: Sequence[Candidate], base_tokens: int,
+               sampling_rows: int, best: float) -> None:
+        """Grant a short probe to one request idle for ``PROBE_EVERY`` rounds, when it costs little."""
+        for candidate in candidates:
+            request_id = candidate.request_id
+            if lengths[request_id] > 0:
+                self.idle[request_id] = 0
+                continue
+            self.idle[request_id] = idle = self.idle.get(request_id, 0) + 1
+            counts = self.requests.get(request_id)
+            if counts is not None:  # an idle request's own evidence fades towards the pooled estimate
+                counts[0], counts[1] = self.decay * counts[0], self.decay * counts[1]
+            probe = min(PROBE_TOKENS, candidate.max_drafts)
+            if idle < PROBE_EVERY or probe <= 0:
+                continue
+            drafted = sum(lengths.values()) + probe
+            alpha = self.alpha(request_id)
+            tokens = sampling_rows + sum(self._expected(r, k) for r, k in lengths.items()) + alpha * (
+                1 - alpha**probe) / (1 - alpha)
+            seconds = self.forward_cost(base_tokens + drafted) + sum(
+                self.draft_seconds(k) for k in lengths.values()) + self.draft_seconds(probe)
+            if tokens / max(seconds, 1e-9) >= (1 - PROBE_LOSS) * best:
+                lengths[request_id], self.idle[request_id] = probe, 0
+                return
+
+    def _expected(self, request_id: int, drafts: int) -> float:
+        """Expected accepted drafts of ``drafts`` (the next token is counted in ``sampling_rows``)."""
+        if drafts <= 0:
+            return 0.0
+        alpha = self.alpha(request_id)
+        return alpha * (1 - alpha**drafts) / (1 - alpha)
+
+    def report(self) -> dict:
+        """The estimates, for telemetry: f(T) at powers of two, d(K), the pooled acceptance."""
+        return {"forward_s": {t: round(self.forward_cost(t), 5) for t in (1, 2, 4, 8, 16, 32, 64)},
+                "draft_s": {k: round(self.draft_seconds(k), 5) for k in (1, 4, 8)},
+                "pooled_alpha": round(self.pooled[0] / sum(self.pooled), 4),
+                "measured_buckets": [round(t, 1) for t, _ in self.forward_cost.points()]}

@@ -1,0 +1,108 @@
+"""Draft lengths by load (``draft_budget.py``): the cost curve's interpolation and prior, the per-request acceptance,
+and the plan against a brute-force search over every combination of draft lengths (the independent reference)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from hf_kvspec.speculative import draft_budget
+from hf_kvspec.speculative.draft_budget import Candidate, DraftBudget, ForwardCost
+
+
+def _budget(curve, alphas, draft_s=None) -> DraftBudget:
+    """A budget whose forward cost is ``curve(T)`` seconds (measured at every T up to 64), whose requests accept with
+    ``alphas[i]`` (many rounds observed) and whose draft calls cost ``draft_s(K)``."""
+    budget = DraftBudget(decay=1.0)
+    for tokens in range(1, 65):
+        budget.record_forward(tokens, curve(tokens))
+    for request_id, alpha in enumerate(alphas):  # a thousand verdicts' worth: the prior hardly counts
+        budget.requests[request_id] = [alpha * 1000.0, (1 - alpha) * 1000.0]
+    for k in (1, 2, 4, 8):
+        budget.record_draft(k, draft_s(k) if draft_s else 0.0)
+    return budget
+
+
+def _goodput(budget, lengths, base, sampling) -> float:
+    tokens = sampling + sum(budget._expected(r, k) for r, k in lengths.items())
+    seconds = budget.forward_cost(base + sum(lengths.values())) + sum(
+        budget.draft_seconds(k) for k in lengths.values())
+    return tokens / seconds
+
+
+def _brute_force(budget, candidates, base, sampling) -> float:
+    best = 0.0
+    for combo in itertools.product(*(range(c.max_drafts + 1) for c in candidates)):
+        lengths = {c.request_id: k for c, k in zip(candidates, combo)}
+        best = max(best, _goodput(budget, lengths, base, sampling))
+    return best
+
+
+@pytest.mark.parametrize(("curve", "alphas", "draft"), [
+    (lambda t: 0.03 + 0.0004 * t, [0.8, 0.3, 0.6], None),  # flat forward: drafting pays for good requests
+    (lambda t: 0.03 * t, [0.9, 0.9, 0.9], None),  # every token costs a step: nobody should draft
+    (lambda t: 0.03 + 0.002 * t * t, [0.95, 0.5, 0.7], lambda k: 0.004),  # convex forward, a fixed draft cost
+    (lambda t: 0.03 + 0.001 * t, [0.7, 0.7], lambda k: 0.002 * k),  # a draft cost per token
+])
+def test_the_plan_is_as_good_as_every_combination_of_lengths(curve, alphas, draft):
+    budget = _budget(curve, alphas, draft)
+    candidates = [Candidate(i, 5) for i in range(len(alphas))]
+    for base, sampling in ((3, 3), (10, 3)):
+        lengths = budget.plan(base, sampling, candidates)
+        assert _goodput(budget, lengths, base, sampling) == pytest.approx(
+            _brute_force(budget, candidates, base, sampling), rel=1e-9)
+
+
+def test_a_steep_forward_means_no_drafts_and_a_flat_one_means_all_of_them():
+    candidates = [Candidate(0, 6), Candidate(1, 6)]
+    assert budget_plan(lambda t: 0.03 * t, [0.9, 0.9], candidates) == {0: 0, 1: 0}
+    assert budget_plan(lambda t: 0.03, [0.9, 0.9], candidates) == {0: 6, 1: 6}
+
+
+def budget_plan(curve, alphas, candidates):
+    return _budget(curve, alphas).plan(len(alphas), len(alphas), candidates)
+
+
+def test_the_forward_cost_interpolates_between_buckets_and_follows_the_prior_beyond():
+    cost = ForwardCost(decay=1.0)
+    assert cost(4) == pytest.approx(draft_budget.prior(4))  # nothing measured: the prior's units
+    cost.record(1, 0.030)
+    cost.record(8, 0.050)
+    assert cost(1) == pytest.approx(0.030) and cost(8) == pytest.approx(0.050)
+    assert cost(4) == pytest.approx(0.030 + 0.020 * 3 / 7)
+    assert cost(32) == pytest.approx(0.050 * draft_budget.prior(32) / draft_budget.prior(8))
+
+
+def test_acceptance_starts_from_the_pooled_estimate_and_follows_the_request():
+    budget = DraftBudget(decay=1.0)
+    assert budget.alpha(7) == pytest.approx(0.5)
+    for _ in range(50):
+        budget.record_verdict(1, 4, 4)  # request 1 accepts everything
+        budget.record_verdict(2, 4, 0)  # request 2 nothing
+    assert budget.alpha(1) > 0.95 and budget.alpha(2) < 0.05
+    pooled = budget.pooled[0] / sum(budget.pooled)
+    assert budget.alpha(3) == pytest.approx(pooled)  # a new request: the pooled estimate
+    budget.release([1, 2])
+    assert budget.alpha(1) == pytest.approx(pooled) and not budget.requests
+
+
+def test_an_idle_request_is_probed_only_when_the_probe_is_cheap():
+    cheap = _budget(lambda t: 0.03 * t, [0.9], None)  # steep: K = 0, but a probe with free drafting costs
+    rounds = [cheap.plan(1, 1, [Candidate(0, 4)])[0] for _ in range(3 * draft_budget.PROBE_EVERY)]
+    assert sum(rounds) == 0  # a 2-token probe costs 2 more steps there: more than PROBE_LOSS
+    # a flat forward and a fixed draft cost just above break-even: 2 drafts emit 1.24 tokens for 1.245 steps
+    near = _budget(lambda t: 0.03, [0.2], lambda k: 0.245 * 0.03)
+    near.requests[0] = [0.0, 0.0]
+    near.pooled = [200.0, 800.0]  # alpha 0.2, which idle rounds fade towards
+    rounds = [near.plan(1, 1, [Candidate(0, 2)])[0] for _ in range(3 * draft_budget.PROBE_EVERY)]
+    assert rounds.count(draft_budget.PROBE_TOKENS) >= 2 and rounds.count(0) > len(rounds) // 2
+
+
+def test_draft_seconds_follow_a_line_and_are_free_until_timed():
+    budget = DraftBudget(decay=1.0)
+    assert budget.draft_seconds(4) == 0.0
+    for k in (1, 2, 4, 8):
+        budget.record_draft(k, 0.001 + 0.002 * k)
+    assert budget.draft_seconds(0) == 0.0
+    assert budget.draft_seconds(6) == pytest.approx(0.013)
