@@ -109,6 +109,7 @@ class RaggedPagedCache(Cache):
         self._row_of: dict[int, int] = {}  # seq_id -> row of self.tables
         self._stored: dict[int, int] = {}  # seq_id -> tokens whose K/V are stored (R1)
         self._forward: tuple[list[RaggedRow], torch.Tensor, RaggedKV] | None = None
+        self._scratch = False  # the open forward is a draft forward (``begin_forward(scratch=True)``)
 
     @classmethod
     def blocks_for(cls, config, kv_budget: int | str, block_size: int, dtype: torch.dtype,
@@ -237,15 +238,20 @@ class RaggedPagedCache(Cache):
         self.truncate(seq_id, start + len(kept))
 
     # ---- the forward ---------------------------------------------------------------------------------
-    def begin_forward(self, rows: Sequence[RaggedRow], device: torch.device, reference: bool = False) -> RaggedKV:
+    def begin_forward(self, rows: Sequence[RaggedRow], device: torch.device, reference: bool = False,
+                      scratch: bool = False) -> RaggedKV:
         """Fix the packed layout of the next forward; every row must be ``reserve``d for its new tokens.
-        ``reference``: attention reads the layout through its plain reference path."""
+        ``reference``: attention reads the layout through its plain reference path. ``scratch``: a draft forward
+        whose rows may start past the stored tokens, inside their reservation (its K/V are overwritten by the
+        verify forward); its ``end_forward`` commits nothing and keeps the reservations."""
         if self._forward is not None:
             raise RuntimeError("begin_forward() while a forward is open; call end_forward() first.")
         slots, tables, starts, column = [], [], [], 0
         for r in rows:
             row = self._row_of[r.seq_id]
-            if r.start != self._stored[r.seq_id] or r.start + r.num_tokens > self.tables.length(row):
+            stored = self._stored[r.seq_id]
+            misplaced = r.start < stored if scratch else r.start != stored
+            if misplaced or r.start + r.num_tokens > self.tables.length(row):
                 raise ValueError(f"Sequence {r.seq_id}: row starts at {r.start} for {r.num_tokens} tokens, but it "
                                  f"stores {self._stored[r.seq_id]} tokens and has room for {self.tables.length(row)};"
                                  " reserve() it first.")
@@ -259,6 +265,7 @@ class RaggedPagedCache(Cache):
                         tuple(r.start + r.num_tokens for r in rows), tuple(tables),
                         tuple(r.new_token_mask for r in rows), reference=reference)
         self._forward = (list(rows), torch.tensor(slots, dtype=torch.long, device=device), view)
+        self._scratch = scratch
         return view
 
     def update(self, key_states, value_states, layer_idx: int, *args, kwargs: dict | None = None, **_):
@@ -283,6 +290,9 @@ class RaggedPagedCache(Cache):
         past each sequence's stored length, so a failed round leaves the cache as it was before ``reserve``."""
         rows = self._forward[0] if self._forward is not None else []
         self._forward = None
+        scratch, self._scratch = self._scratch, False
+        if scratch and ok:  # a draft forward: nothing to commit, the verify forward still needs the reservations
+            return
         for r in rows if ok else []:
             if r.seq_id in self._row_of:
                 self._stored[r.seq_id] = r.start + r.num_tokens

@@ -34,6 +34,7 @@ Shapes: ``L`` tokens of a request, ``N`` draft tokens, ``F`` feature width, ``C`
 from __future__ import annotations
 
 import copy
+import time
 
 import torch
 
@@ -43,6 +44,7 @@ from hf_kvspec.speculative.positions import History, PositionwiseProcessor
 from hf_kvspec.speculative.rounds import cap_depth
 
 from .request import Request
+from .speculation import request_processor
 
 #: drafts per request per round when the assistant's own size is ``"auto"`` and the engine is given none
 AUTO_DRAFT_TOKENS = 8
@@ -149,6 +151,30 @@ class Drafters:
 
     def max_depth(self, request: Request) -> int:
         return request.settings.max_new_tokens - len(request.output_ids) - 1
+
+    shared_cost = False  # each request's draft call costs its own time (``DraftBudget``)
+
+    def propose_rows(self, entries: list[tuple[Request, int]], record=None) -> list[DraftProposal]:
+        """Each ``(request, count)``'s proposal ``[1, N]`` (N <= count), one session at a time; ``record(count,
+        seconds)`` gets each call's time. A session that raises is dropped before the error propagates."""
+        proposals = []
+        for request, count in entries:
+            started = time.perf_counter()
+            try:
+                proposals.append(self.sessions[request.request_id].propose(
+                    request, count, self.max_depth(request), request_processor(request)) if count > 0
+                    else DraftProposal(torch.zeros(1, 0, dtype=torch.long)))
+            except BaseException:
+                self.drop(request)
+                raise
+            if record is not None:
+                record(count, time.perf_counter() - started)
+        return proposals
+
+    def observe(self, request: Request, kept_width: int, num_accepted: int, num_draft: int,
+                path_features: torch.Tensor | None, accepted_nodes: torch.Tensor) -> None:
+        """``request``'s round verdict for its session (``DraftSession.observe``)."""
+        self.sessions[request.request_id].observe(kept_width, num_accepted, num_draft, path_features, accepted_nodes)
 
     def gather(self, request: Request, features: torch.Tensor | None) -> None:
         """Features ``[n, F]`` of columns ``request`` fed while it has no session."""

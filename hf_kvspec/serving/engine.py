@@ -44,7 +44,6 @@ import torch
 
 from hf_kvspec.cache.ragged import RaggedPagedCache
 from hf_kvspec.speculative.draft_budget import Candidate, DraftBudget
-from hf_kvspec.speculative.drafters.base import DraftProposal
 
 from .attention import register_ragged_attention
 from .drafting import Drafters, check_assistant, resolve_assistant
@@ -53,7 +52,8 @@ from .request import FinishReason, Request, RequestDelta, RequestFailedError, Re
 from .runner import ForwardRow, ForwardRunner
 from .sampling import finish_reason, next_token
 from .scheduler import RoundPlan, ScheduledRow, Scheduler, SchedulingPolicy
-from .speculation import Verdict, VerifyRow, request_processor
+from .self_drafting import QuantizedSelfAssistant, SelfDrafters, check_self_drafting
+from .speculation import Verdict, VerifyRow
 from .telemetry import EngineStats, RoundStats
 
 
@@ -128,15 +128,19 @@ class Engine:
         self.failed_round: tuple[int, ...] = ()  # request ids of the last round that raised (a server fails them)
         self._max_positions = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
         self.drafters = None if assistant is None else self._drafters(assistant, num_draft_tokens)
-        self.budget = DraftBudget() if self.drafters is not None and draft_lengths == "goodput" else None
+        self.budget = (DraftBudget(shared_cost=self.drafters.shared_cost)
+                       if self.drafters is not None and draft_lengths == "goodput" else None)
 
     @property
     def vocab_size(self) -> int:
         """Token ids a request may hold: ``0 .. vocab_size - 1`` (the model's input embedding rows)."""
         return self._vocab_size
 
-    def _drafters(self, assistant, num_draft_tokens: int | None) -> Drafters:
+    def _drafters(self, assistant, num_draft_tokens: int | None) -> Drafters | SelfDrafters:
         assistant = resolve_assistant(assistant, self.model)
+        if isinstance(assistant, QuantizedSelfAssistant):
+            check_self_drafting(assistant, self.model, self.runner)
+            return SelfDrafters(assistant, self.cache, num_draft_tokens)
         check_assistant(assistant, sliding=any(layer.is_sliding for layer in self.cache.layers))
         pad = self.model.generation_config.pad_token_id
         return Drafters(assistant, self.model, num_draft_tokens, pad if isinstance(pad, int) else 0)
@@ -333,23 +337,13 @@ class Engine:
         """Drafts of the rows in ``lengths`` (row index -> count; ``VerifyRow`` by row index). Under the goodput
         choice a row at 0 takes the plain path; under ``"fixed"`` it verifies no drafts but goes through
         acceptance."""
-        verify = {}
-        for index, count in lengths.items():
-            request = plan.rows[index].request
-            if count == 0 and self.budget is not None:
-                continue
-            started = time.perf_counter()
-            try:
-                proposal = (self.drafters.sessions[request.request_id].propose(
-                    request, count, self.drafters.max_depth(request), request_processor(request))
-                    if count > 0 else DraftProposal(torch.zeros(1, 0, dtype=torch.long)))
-            except BaseException:
-                self._forget_drafts(request)
-                raise
-            if self.budget is not None:
-                self.budget.record_draft(count, time.perf_counter() - started)
-            verify[index] = VerifyRow(request, proposal)
-        return verify
+        asked = {index: count for index, count in lengths.items() if count > 0 or self.budget is None}
+        if not asked:
+            return {}
+        record = None if self.budget is None else (
+            self.budget.record_draft_step if self.drafters.shared_cost else self.budget.record_draft)
+        proposals = self.drafters.propose_rows([(plan.rows[i].request, count) for i, count in asked.items()], record)
+        return {index: VerifyRow(plan.rows[index].request, proposal) for index, proposal in zip(asked, proposals)}
 
     def _forward_and_choose(self, plan: RoundPlan, verify: dict[int, VerifyRow]) -> list[RowResult]:
         """The packed forward (features too, when the assistant reads them) and every row's new tokens."""
@@ -429,12 +423,11 @@ class Engine:
                 self.cache.keep_new_tokens(request.request_id, row.start, kept)
             request.num_computed += verdict.num_accepted
             path = None if result.features is None else result.features[kept][None]  # [1, 1 + k, F]
-            self.drafters.sessions[request.request_id].observe(
-                request.num_computed, verdict.num_accepted, verdict.num_draft, path, verdict.accepted_nodes)
+            self.drafters.observe(request, request.num_computed, verdict.num_accepted, verdict.num_draft, path,
+                                  verdict.accepted_nodes)
         elif self.drafters is not None and self.drafters.has_session(request) and row.num_tokens == 1:
             path = None if result.features is None else result.features[:1][None]  # [1, 1, F] the root's
-            self.drafters.sessions[request.request_id].observe(
-                request.num_computed, 0, 0, path, torch.zeros(1, 0, dtype=torch.long))
+            self.drafters.observe(request, request.num_computed, 0, 0, path, torch.zeros(1, 0, dtype=torch.long))
         elif self.drafters is not None:
             self._gather_features(request, result.features)
             self.drafters.start(request)

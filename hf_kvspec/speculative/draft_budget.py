@@ -7,7 +7,9 @@ request. No tensors, no models, no requests.
 
 Model. A packed forward of T tokens costs ``f(T)`` seconds (``ForwardCost``, learned from the rounds themselves).
 Drafting K tokens for one request costs ``d(K) = a + b K`` seconds (a decayed least-squares line over the
-assistant's timed draft calls; 0 until one was timed). A request whose drafts are accepted one after another with
+assistant's timed draft calls, proportional to K while one length was seen; 0 until one was timed); a drafter that drafts for every request in one call
+(``shared_cost``: the engine's self-drafting, one packed forward per depth) costs ``sum_j g(n_j)`` per round,
+``n_j`` the requests drafting at depth j and ``g`` the draft forward's own measured curve over rows. A request whose drafts are accepted one after another with
 probability ``alpha`` (i.i.d., Leviathan et al. arXiv 2211.17192) emits ``E(K) = sum_{k=0..K} alpha^k`` tokens, so
 its k-th draft adds ``alpha^k``. A round with base tokens ``T0`` (decode and prefill rows) and ``S`` sampling rows
 has goodput (the next token of every sampling row, plus the accepted drafts)
@@ -15,7 +17,8 @@ has goodput (the next token of every sampling row, plus the accepted drafts)
     G = (S + sum_i (E_i(K_i) - 1)) / (f(T0 + sum_i K_i) + sum_{i: K_i > 0} d_i(K_i))
 
 Since each ``E_i`` is concave, the best way to spend m draft tokens is on the m largest marginal gains
-``alpha_i^k``; ``plan`` walks m = 0, 1, ... over those gains in order and keeps the best m. m = 0, everybody at
+``alpha_i^k``; ``plan`` walks m = 0, 1, ... over those gains in order and keeps the best m (with a shared draft
+call, once per cap on the deepest length, since the cap fixes the drafting cost). m = 0, everybody at
 K = 0, is the plain round (the engine then runs its plain path, no drafting call at all). This is TurboSpec's
 goodput criterion (arXiv 2406.14066) with our own cost curve, and vLLM's per-batch-size table
 (``num_speculative_tokens_per_batch_size``) falls out of it: more rows make ``f`` steeper, so K shrinks to 0.
@@ -30,6 +33,7 @@ granted a short probe (``PROBE_TOKENS``) if the probe costs at most ``PROBE_LOSS
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -43,6 +47,10 @@ PRIOR_WEIGHT = 2.0  # observations the pooled acceptance is worth in a request's
 PROBE_EVERY = 8  # rounds at K = 0 before a request may be probed
 PROBE_TOKENS = 2  # drafts of a probe
 PROBE_LOSS = 0.01  # a probe may cost at most this share of the round's best goodput
+#: the pooled acceptance before any verdict: optimistic (alpha 0.8, worth 5 verdicts), so that a new engine drafts,
+#: measures, and stops if its drafter does not pay; a pessimistic prior would never measure a good drafter
+POOLED_PRIOR = (4.0, 1.0)
+DRAFT_STEP_PRIOR = 0.5  # shared drafting: a draft depth's cost as a share of a target forward, until timed
 
 
 def _bucket(tokens: int) -> int:
@@ -57,22 +65,24 @@ class ForwardCost:
     def __init__(self, decay: float = DECAY):
         self.decay = decay
         self.buckets: dict[int, list[float]] = {}  # bucket -> decayed [weight, sum T, sum seconds]
+        self._points: list[tuple[float, float]] = []
 
     def record(self, tokens: int, seconds: float) -> None:
         entry = self.buckets.setdefault(_bucket(tokens), [0.0, 0.0, 0.0])
         entry[0] = self.decay * entry[0] + 1
         entry[1] = self.decay * entry[1] + tokens
         entry[2] = self.decay * entry[2] + seconds
+        self._points = [(w_t / w, w_s / w) for _, (w, w_t, w_s) in sorted(self.buckets.items())]
 
     def points(self) -> list[tuple[float, float]]:
         """(mean T, mean seconds) of each measured bucket, in order of T."""
-        return [(w_t / w, w_s / w) for _, (w, w_t, w_s) in sorted(self.buckets.items())]
+        return self._points
 
     def __call__(self, tokens: int) -> float:
-        points = self.points()
+        points = self._points
         if not points:
             return prior(tokens)  # in units of a one-token forward
-        for (t0, s0), (t1, s1) in zip(points, points[1:]):
+        for (t0, s0), (t1, s1) in itertools.pairwise(points):
             if t0 <= tokens <= t1:
                 return s0 + (s1 - s0) * (tokens - t0) / max(t1 - t0, 1e-9)
         t_near, s_near = points[0] if tokens < points[0][0] else points[-1]
@@ -83,7 +93,7 @@ def prior(tokens: float) -> float:
     """The prior curve at ``tokens`` (linear between its points, proportional past its end)."""
     if tokens <= PRIOR_CURVE[0][0]:
         return PRIOR_CURVE[0][1]
-    for (t0, c0), (t1, c1) in zip(PRIOR_CURVE, PRIOR_CURVE[1:]):
+    for (t0, c0), (t1, c1) in itertools.pairwise(PRIOR_CURVE):
         if tokens <= t1:
             return c0 + (c1 - c0) * (tokens - t0) / (t1 - t0)
     last_t, last_c = PRIOR_CURVE[-1]
@@ -101,11 +111,13 @@ class Candidate:
 class DraftBudget:
     """Per-request draft lengths from load (module docstring)."""
 
-    def __init__(self, decay: float = DECAY):
-        self.decay = decay
+    def __init__(self, decay: float = DECAY, shared_cost: bool = False):
+        self.decay, self.shared_cost = decay, shared_cost
         self.forward_cost = ForwardCost(decay)
         self.draft_time = _Decayed(decay)  # x = drafts of one request's call, y = seconds
-        self.pooled = [1.0, 1.0]  # decayed [accepted, rejected] of all requests (prior: alpha = 0.5)
+        self.step_cost = ForwardCost(decay)  # shared_cost: seconds of one draft depth's forward of n rows
+        self.untimed_drafts = 1
+        self.pooled = list(POOLED_PRIOR)  # decayed [accepted, rejected] of all requests
         self.requests: dict[int, list[float]] = {}  # request id -> decayed [accepted, rejected]
         self.idle: dict[int, int] = {}  # request id -> rounds at K = 0 since its last draft
 
@@ -114,8 +126,21 @@ class DraftBudget:
         self.forward_cost.record(tokens, seconds)
 
     def record_draft(self, drafts: int, seconds: float) -> None:
-        """One request's draft call: ``drafts`` tokens proposed in ``seconds``."""
+        """One request's draft call: ``drafts`` tokens proposed in ``seconds`` (``shared_cost``: the round's one
+        draft call, ``drafts`` its deepest request's length). The first call is not counted: it pays one-time
+        costs (first allocations, a drafter's lazy set-up) that no later call pays."""
+        if self.untimed_drafts:
+            self.untimed_drafts -= 1
+            return
         self.draft_time.add(drafts, seconds)
+
+    def record_draft_step(self, rows: int, seconds: float) -> None:
+        """``shared_cost``: one draft depth's packed forward over ``rows`` requests took ``seconds`` (the first
+        is not counted, as in ``record_draft``)."""
+        if self.untimed_drafts:
+            self.untimed_drafts -= 1
+            return
+        self.step_cost.record(rows, seconds)
 
     def record_verdict(self, request_id: int, drafted: int, accepted: int) -> None:
         if drafted <= 0:
@@ -143,31 +168,76 @@ class DraftBudget:
         """``d(K)``: seconds of one request's draft call of ``drafts`` tokens (0 until one was timed)."""
         if drafts <= 0 or self.draft_time.n == 0:
             return 0.0
-        intercept, slope = self.draft_time.line(0.0)
+        timed = self.draft_time
+        mean_k, mean_s = timed.sx / timed.n, timed.sy / timed.n
+        if timed.sxx / timed.n - mean_k**2 <= 0.25:  # one length seen so far: proportional (a forward per draft)
+            return mean_s * drafts / max(mean_k, 1e-9)
+        intercept, slope = timed.line(0.0)
         return intercept + slope * drafts
+
+    def draft_timed(self) -> bool:
+        """Whether a draft call (or, shared, a draft depth) has been timed yet."""
+        return bool(self.step_cost.points()) if self.shared_cost else self.draft_time.n > 0
+
+    def draft_step_seconds(self, rows: int) -> float:
+        """``shared_cost``: seconds of one draft depth over ``rows`` requests; until one was timed,
+        ``DRAFT_STEP_PRIOR`` of a target forward of as many tokens."""
+        if rows <= 0:
+            return 0.0
+        if self.step_cost.points():
+            return self.step_cost(rows)
+        return DRAFT_STEP_PRIOR * self.forward_cost(rows)
+
+    def round_draft_seconds(self, lengths) -> float:
+        """Drafting seconds of a round whose requests draft ``lengths`` (shared: one forward per depth, over
+        the requests drafting that deep)."""
+        lengths = list(lengths)
+        if self.shared_cost:
+            return sum(self.draft_step_seconds(sum(k > depth for k in lengths))
+                       for depth in range(max(lengths, default=0)))
+        return sum(self.draft_seconds(k) for k in lengths)
 
     # ---- the choice ------------------------------------------------------------------------------------
     def plan(self, base_tokens: int, sampling_rows: int, candidates: Sequence[Candidate]) -> dict[int, int]:
         """K per candidate's request (0 for those that should not draft) for a round whose other rows pack
         ``base_tokens`` tokens and sample ``sampling_rows`` tokens."""
-        gains = sorted(((self.alpha(c.request_id) ** k, c.request_id)
+        if not self.draft_timed():  # until a draft was timed, short drafts: a first round cannot cost much
+            candidates = [Candidate(c.request_id, min(c.max_drafts, PROBE_TOKENS)) for c in candidates]
+        gains = sorted(((self.alpha(c.request_id) ** k, c.request_id, k)
                         for c in candidates for k in range(1, c.max_drafts + 1)), reverse=True)
         lengths = dict.fromkeys((c.request_id for c in candidates), 0)
-        best_m, best = self._best_prefix(gains, base_tokens, sampling_rows, lengths)
-        for _, request_id in gains[:best_m]:
+        most = sum(c.max_drafts for c in candidates)
+        self._forward_s = [self.forward_cost(base_tokens + m) for m in range(most + 1)]  # f(T0 + m), m drafts
+        self._draft_s = [self.draft_seconds(k) for k in range(max((c.max_drafts for c in candidates), default=0) + 1)]
+        self._step_s = [self.draft_step_seconds(n) for n in range(len(candidates) + 1)] if self.shared_cost else []
+        best, chosen = -1.0, []
+        # with a shared draft call the deepest request sets the cost: try every cap on the depth (the best prefix
+        # under a cap is optimal for it); otherwise the one walk over all gains is optimal
+        for cap in range(max((c.max_drafts for c in candidates), default=0) + 1) if self.shared_cost else (None,):
+            allowed = gains if cap is None else [g for g in gains if g[2] <= cap]
+            m, goodput = self._best_prefix(allowed, base_tokens, sampling_rows, lengths)
+            if goodput > best:
+                best, chosen = goodput, allowed[:m]
+        for _, request_id, _ in chosen:
             lengths[request_id] += 1
         self._probe(lengths, candidates, base_tokens, sampling_rows, best)
         return lengths
 
     def _best_prefix(self, gains, base_tokens: int, sampling_rows: int, lengths: dict[int, int]):
-        """(m, goodput) of the best prefix of ``gains`` (marginal gain, request id), largest first."""
+        """(m, goodput) of the best prefix of ``gains`` (marginal gain, request id, k), largest first."""
+        forward_s, draft_s, step_s = self._forward_s, self._draft_s, self._step_s  # this round's tables (``plan``)
         tokens, seconds_drafting, counts = float(sampling_rows), 0.0, dict(lengths)
-        best_m, best = 0, tokens / max(self.forward_cost(base_tokens), 1e-9)
-        for m, (gain, request_id) in enumerate(gains, start=1):
+        at_depth = [0] * (len(draft_s) + 1)  # shared: requests drafting at each depth
+        best_m, best = 0, tokens / max(forward_s[0], 1e-9)
+        for m, (gain, request_id, _) in enumerate(gains, start=1):
             k = counts[request_id] = counts[request_id] + 1
             tokens += gain
-            seconds_drafting += self.draft_seconds(k) - self.draft_seconds(k - 1)
-            goodput = tokens / max(self.forward_cost(base_tokens + m) + seconds_drafting, 1e-9)
+            if self.shared_cost:  # the k-th draft joins depth k - 1's forward
+                rows = at_depth[k - 1] = at_depth[k - 1] + 1
+                seconds_drafting += step_s[rows] - step_s[rows - 1]
+            else:
+                seconds_drafting += draft_s[k] - draft_s[k - 1]
+            goodput = tokens / max(forward_s[m] + seconds_drafting, 1e-9)
             if goodput > best:
                 best_m, best = m, goodput
         return best_m, best
@@ -191,8 +261,7 @@ class DraftBudget:
             alpha = self.alpha(request_id)
             tokens = sampling_rows + sum(self._expected(r, k) for r, k in lengths.items()) + alpha * (
                 1 - alpha**probe) / (1 - alpha)
-            seconds = self.forward_cost(base_tokens + drafted) + sum(
-                self.draft_seconds(k) for k in lengths.values()) + self.draft_seconds(probe)
+            seconds = self.forward_cost(base_tokens + drafted) + self.round_draft_seconds([*lengths.values(), probe])
             if tokens / max(seconds, 1e-9) >= (1 - PROBE_LOSS) * best:
                 lengths[request_id], self.idle[request_id] = probe, 0
                 return
@@ -209,4 +278,6 @@ class DraftBudget:
         return {"forward_s": {t: round(self.forward_cost(t), 5) for t in (1, 2, 4, 8, 16, 32, 64)},
                 "draft_s": {k: round(self.draft_seconds(k), 5) for k in (1, 4, 8)},
                 "pooled_alpha": round(self.pooled[0] / sum(self.pooled), 4),
-                "measured_buckets": [round(t, 1) for t, _ in self.forward_cost.points()]}
+                "measured_buckets": [round(t, 1) for t, _ in self.forward_cost.points()],
+                "draft_step_s": {n: round(self.draft_step_seconds(n), 5) for n in (1, 2, 4, 8, 16)}
+                if self.shared_cost else None}

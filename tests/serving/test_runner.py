@@ -173,3 +173,43 @@ def test_held_across_rounds_keeps_the_switch_and_restores_it(llama):
     other = RaggedPagedCache(llama.config, num_blocks=32, block_size=4)
     for got, expected in zip(held, mixed_rounds(ForwardRunner(llama, other), other, prompts)):
         torch.testing.assert_close(got, expected, rtol=0, atol=0)  # same kernels and calls: bitwise equal
+
+
+def test_self_drafting_drafts_the_int8_copys_chain_on_the_paged_cache_and_keeps_nothing(llama):
+    from transformers import DynamicCache
+
+    from hf_kvspec.serving.prompts import make_settings
+    from hf_kvspec.serving.request import Request
+    from hf_kvspec.serving.self_drafting import SelfDrafters
+    from hf_kvspec.speculative.drafters.quantized_self import QuantizedSelfAssistant
+
+    assistant = QuantizedSelfAssistant(llama, "int8")
+    cache = RaggedPagedCache(llama.config, num_blocks=32, block_size=4)
+    runner, drafters = ForwardRunner(llama, cache), SelfDrafters(assistant, cache)
+    prompts = random_prompts([9, 6], seed=41)
+    requests = []
+    for seq_id, ids in enumerate(prompts):  # the prompt but its last token stored, as for a decode row
+        cache.add_sequence(seq_id, ids)
+        forward(runner, cache, [ForwardRow(seq_id, ids[:-1], 0)])
+        request = Request(seq_id, ids, make_settings(llama.generation_config, max_new_tokens=8))
+        request.num_computed = len(ids) - 1
+        requests.append(request)
+    for request, count in zip(requests, (4, 2)):
+        cache.reserve(request.request_id, request.num_computed + 1 + count)
+    proposals = drafters.propose_rows(list(zip(requests, (4, 2))))
+    for request, count, proposal in zip(requests, (4, 2), proposals):
+        assert cache.length(request.request_id) == request.num_computed  # nothing committed
+        assert proposal.tokens.shape == (1, count) and proposal.probs is None  # point masses
+        reference = DynamicCache(config=llama.config)  # the fp32 target's K/V, then the int8 copy's greedy chain
+        with torch.no_grad():
+            llama(torch.tensor([request.prompt_ids[:-1]]), cache=reference)
+        token, expected = request.prompt_ids[-1], []
+        for step in range(count):
+            position = request.num_computed + step
+            logits, _, reference = assistant.forward(dict(input_ids=torch.tensor([[token]]),
+                                                          position_ids=torch.tensor([[position]])), reference)
+            token = int(logits[0, -1].argmax())
+            expected.append(token)
+        assert proposal.tokens[0].tolist() == expected
+    cache.end_forward(ok=False)  # the round's reservations go back as after a failed round
+    assert cache.num_free_blocks() + sum(-(-r.num_computed // 4) for r in requests) == cache.num_total_blocks()

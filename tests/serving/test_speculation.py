@@ -22,6 +22,7 @@ from hf_kvspec.speculative.drafters.draft_model import DraftModelAssistant
 from hf_kvspec.speculative.drafters.eagle import EagleAssistant
 from hf_kvspec.speculative.drafters.medusa import MedusaAssistant
 from hf_kvspec.speculative.drafters.ngram import NgramAssistant
+from hf_kvspec.speculative.drafters.quantized_self import QuantizedSelfAssistant
 from tests.tiny_models import tiny_model
 
 from .helpers import assert_pool_full, greedy_reference, random_prompts, run_to_end, run_with_arrivals
@@ -79,6 +80,8 @@ def make_assistant(kind, target):
         return DraftModelAssistant(target, num_draft_tokens=3)
     if kind == "oracle_tree":
         return OracleTree(target)
+    if kind == "self_int8":  # batched self-drafting from an int8 copy, on the engine's own paged cache
+        return QuantizedSelfAssistant(target, "int8")
     if kind == "eagle":
         head = _random(EagleHead(EagleConfig.for_base_model(target, "tiny")), 2, 0.2)
         return EagleAssistant(head, depth=3, top_k=2, total_tokens=6, num_draft_tokens=None, draft_vocab_size=None)
@@ -87,7 +90,7 @@ def make_assistant(kind, target):
                            draft_vocab_size=None)
 
 
-DRAFTERS = ["ngram", "draft_model", "oracle_tree", "eagle", "medusa"]
+DRAFTERS = ["ngram", "draft_model", "oracle_tree", "eagle", "medusa", "self_int8"]
 
 
 def check_outputs(engine, model, ids, prompts, max_new) -> list:
@@ -116,6 +119,8 @@ def test_joins_and_leaves(llama, kind, lengths):
     assert drafted > 0  # goodput too: the first rounds draft, before any cost is measured
     if kind in ("draft_model", "oracle_tree") and lengths == "fixed":  # always right: every request gains
         assert accepted > 0 and all(out.metrics.tau > 1 for out in outputs)
+    if kind == "self_int8" and lengths == "fixed":  # the int8 copy mostly agrees with its fp32 original
+        assert accepted > drafted // 2
     assert_pool_full(engine)
 
 

@@ -11,24 +11,32 @@ from hf_kvspec.speculative import draft_budget
 from hf_kvspec.speculative.draft_budget import Candidate, DraftBudget, ForwardCost
 
 
-def _budget(curve, alphas, draft_s=None) -> DraftBudget:
+def _budget(curve, alphas, draft_s=None, shared=False) -> DraftBudget:
     """A budget whose forward cost is ``curve(T)`` seconds (measured at every T up to 64), whose requests accept with
-    ``alphas[i]`` (many rounds observed) and whose draft calls cost ``draft_s(K)``."""
-    budget = DraftBudget(decay=1.0)
+    ``alphas[i]`` (many rounds observed) and whose draft calls cost ``draft_s(K)`` (``shared``: once a round)."""
+    budget = DraftBudget(decay=1.0, shared_cost=shared)
     for tokens in range(1, 65):
         budget.record_forward(tokens, curve(tokens))
     for request_id, alpha in enumerate(alphas):  # a thousand verdicts' worth: the prior hardly counts
         budget.requests[request_id] = [alpha * 1000.0, (1 - alpha) * 1000.0]
-    for k in (1, 2, 4, 8):
+    for k in (1, 1, 2, 4, 8):  # the first is not counted
         budget.record_draft(k, draft_s(k) if draft_s else 0.0)
+    if shared:  # one depth's forward over n rows: the first is not counted either
+        budget.untimed_drafts = 1
+        for rows in (1, 1, 2, 3, 4, 6, 8):
+            budget.record_draft_step(rows, draft_s(rows))
     return budget
 
 
 def _goodput(budget, lengths, base, sampling) -> float:
     tokens = sampling + sum(budget._expected(r, k) for r, k in lengths.items())
-    seconds = budget.forward_cost(base + sum(lengths.values())) + sum(
-        budget.draft_seconds(k) for k in lengths.values())
-    return tokens / seconds
+    drafts = list(lengths.values())
+    if budget.shared_cost:  # written out: one forward per depth over the requests drafting that deep
+        drafting = sum(budget.step_cost(sum(k > depth for k in drafts)) for depth in range(max(drafts))
+                       ) if max(drafts) else 0.0
+    else:
+        drafting = sum(budget.draft_seconds(k) for k in drafts)
+    return tokens / (budget.forward_cost(base + sum(drafts)) + drafting)
 
 
 def _brute_force(budget, candidates, base, sampling) -> float:
@@ -39,14 +47,16 @@ def _brute_force(budget, candidates, base, sampling) -> float:
     return best
 
 
-@pytest.mark.parametrize(("curve", "alphas", "draft"), [
-    (lambda t: 0.03 + 0.0004 * t, [0.8, 0.3, 0.6], None),  # flat forward: drafting pays for good requests
-    (lambda t: 0.03 * t, [0.9, 0.9, 0.9], None),  # every token costs a step: nobody should draft
-    (lambda t: 0.03 + 0.002 * t * t, [0.95, 0.5, 0.7], lambda k: 0.004),  # convex forward, a fixed draft cost
-    (lambda t: 0.03 + 0.001 * t, [0.7, 0.7], lambda k: 0.002 * k),  # a draft cost per token
+@pytest.mark.parametrize(("curve", "alphas", "draft", "shared"), [
+    (lambda t: 0.03 + 0.0004 * t, [0.8, 0.3, 0.6], None, False),  # flat forward: drafting pays for good requests
+    (lambda t: 0.03 * t, [0.9, 0.9, 0.9], None, False),  # every token costs a step: nobody should draft
+    (lambda t: 0.03 + 0.002 * t * t, [0.95, 0.5, 0.7], lambda k: 0.004, False),  # convex forward, a fixed draft cost
+    (lambda t: 0.03 + 0.001 * t, [0.7, 0.7], lambda k: 0.002 * k, False),  # a draft cost per token
+    (lambda t: 0.03 + 0.002 * t, [0.9, 0.6, 0.3], lambda n: 0.012 + 0.002 * n, True),  # shared, per depth
+    (lambda t: 0.03 + 0.002 * t, [0.95, 0.9, 0.5], lambda n: 0.004 + 0.003 * n, True),
 ])
-def test_the_plan_is_as_good_as_every_combination_of_lengths(curve, alphas, draft):
-    budget = _budget(curve, alphas, draft)
+def test_the_plan_is_as_good_as_every_combination_of_lengths(curve, alphas, draft, shared):
+    budget = _budget(curve, alphas, draft, shared)
     candidates = [Candidate(i, 5) for i in range(len(alphas))]
     for base, sampling in ((3, 3), (10, 3)):
         lengths = budget.plan(base, sampling, candidates)
@@ -76,7 +86,7 @@ def test_the_forward_cost_interpolates_between_buckets_and_follows_the_prior_bey
 
 def test_acceptance_starts_from_the_pooled_estimate_and_follows_the_request():
     budget = DraftBudget(decay=1.0)
-    assert budget.alpha(7) == pytest.approx(0.5)
+    assert budget.alpha(7) == pytest.approx(0.8)  # the optimistic prior: a new engine drafts and measures
     for _ in range(50):
         budget.record_verdict(1, 4, 4)  # request 1 accepts everything
         budget.record_verdict(2, 4, 0)  # request 2 nothing
@@ -101,6 +111,8 @@ def test_an_idle_request_is_probed_only_when_the_probe_is_cheap():
 
 def test_draft_seconds_follow_a_line_and_are_free_until_timed():
     budget = DraftBudget(decay=1.0)
+    assert budget.draft_seconds(4) == 0.0
+    budget.record_draft(4, 9.0)  # the first call pays one-time costs: not counted
     assert budget.draft_seconds(4) == 0.0
     for k in (1, 2, 4, 8):
         budget.record_draft(k, 0.001 + 0.002 * k)
