@@ -5,6 +5,7 @@ Run from the repository root (after ``make setup`` or ``pip install -e '.[bench]
     python scripts/benchmark.py memory            # KV bytes per config/dtype/bits, formula vs measured
     python scripts/benchmark.py generate          # decode tokens/s of the bundled model, per cache
     python scripts/benchmark.py engine            # serving under arrivals: transformers CB, static batches, Engine
+    python scripts/benchmark.py engine --kinds chat,code,summarize --assistant ngram,eagle   # speculation under load
     python scripts/benchmark.py qgemv             # int8/int4 weight-only GEMV vs fp32 and torch; accuracy
     python scripts/benchmark.py fgemm             # fp32 few-row GEMM (one packed copy) vs mm, F.linear, oneDNN
     python scripts/benchmark.py step              # where a decode step goes; the fast forward; plain vs assistants

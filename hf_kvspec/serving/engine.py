@@ -37,13 +37,14 @@ from __future__ import annotations
 import functools
 import threading
 import time
+import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from hf_kvspec.cache.ragged import RaggedPagedCache
-from hf_kvspec.speculative.draft_budget import Candidate, DraftBudget
+from hf_kvspec.speculative.draft_budget import Candidate, Costs, DraftBudget
 
 from .attention import register_ragged_attention
 from .drafting import Drafters, check_assistant, resolve_assistant
@@ -55,6 +56,8 @@ from .scheduler import RoundPlan, ScheduledRow, Scheduler, SchedulingPolicy
 from .self_drafting import QuantizedSelfAssistant, SelfDrafters, check_self_drafting
 from .speculation import Verdict, VerifyRow
 from .telemetry import EngineStats, RoundStats
+
+_COSTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {engine kind: measured Costs}
 
 
 def _locked(method):
@@ -128,8 +131,16 @@ class Engine:
         self.failed_round: tuple[int, ...] = ()  # request ids of the last round that raised (a server fails them)
         self._max_positions = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
         self.drafters = None if assistant is None else self._drafters(assistant, num_draft_tokens)
-        self.budget = (DraftBudget(shared_cost=self.drafters.shared_cost)
+        self.budget = (DraftBudget(shared_cost=self.drafters.shared_cost, costs=self._costs())
                        if self.drafters is not None and draft_lengths == "goodput" else None)
+
+    def _costs(self) -> Costs:
+        """The measured forward and draft costs of this model, forward kind, thread count and drafter, shared with
+        earlier engines of the same kind in this process (``draft_budget.Costs``)."""
+        drafter = self.drafters.assistant
+        key = (self.runner.fast is not None, self.runner.reference, torch.get_num_threads(), type(drafter).__name__,
+               getattr(drafter, "weights", None))
+        return _COSTS.setdefault(self.model, {}).setdefault(key, Costs())
 
     @property
     def vocab_size(self) -> int:
@@ -358,7 +369,10 @@ class Engine:
             count, width = len(forward_row.logits_at), len(forward_row.token_ids)
             row_features = None if features is None else features[column: column + width]  # [width, F]
             if index in verify:
+                started = time.perf_counter()
                 results.append(RowResult(verify[index].accept(logits[at: at + count]), row_features, width))
+                if self.budget is not None:
+                    self.budget.record_verify_row(time.perf_counter() - started)
             elif row.samples:
                 results.append(RowResult(Verdict([next_token(row.request, logits[at])], 0, 0, [], None),
                                          row_features, width, verified=False))

@@ -14,7 +14,10 @@ probability ``alpha`` (i.i.d., Leviathan et al. arXiv 2211.17192) emits ``E(K) =
 its k-th draft adds ``alpha^k``. A round with base tokens ``T0`` (decode and prefill rows) and ``S`` sampling rows
 has goodput (the next token of every sampling row, plus the accepted drafts)
 
-    G = (S + sum_i (E_i(K_i) - 1)) / (f(T0 + sum_i K_i) + sum_{i: K_i > 0} d_i(K_i))
+    G = (S + sum_i (E_i(K_i) - 1)) / (f(T0 + sum_i K_i) + sum_{i: K_i > 0} (d_i(K_i) + v))
+
+with ``v`` the measured acceptance work of one verify row (scores at every node and the verdict, which a plain
+row does not do).
 
 Since each ``E_i`` is concave, the best way to spend m draft tokens is on the m largest marginal gains
 ``alpha_i^k``; ``plan`` walks m = 0, 1, ... over those gains in order and keeps the best m (with a shared draft
@@ -108,18 +111,36 @@ class Candidate:
     max_drafts: int
 
 
-class DraftBudget:
-    """Per-request draft lengths from load (module docstring)."""
+class Costs:
+    """What forwards and drafts cost on this machine, for one model, forward and drafter: learned by one engine's
+    rounds and kept by the next engine of the same kind (the caller keys them), so that a process explores once."""
 
-    def __init__(self, decay: float = DECAY, shared_cost: bool = False):
-        self.decay, self.shared_cost = decay, shared_cost
-        self.forward_cost = ForwardCost(decay)
+    def __init__(self, decay: float = DECAY):
+        self.forward = ForwardCost(decay)  # f(T): the target's packed forward of T tokens
         self.draft_time = _Decayed(decay)  # x = drafts of one request's call, y = seconds
-        self.step_cost = ForwardCost(decay)  # shared_cost: seconds of one draft depth's forward of n rows
-        self.untimed_drafts = 1
+        self.step = ForwardCost(decay)  # shared drafting: seconds of one draft depth's forward of n rows
+        self.untimed_drafts = 1  # draft calls still to skip (the first pays one-time costs)
+        self.verify_row = _Decayed(decay)  # y = seconds of one verify row's acceptance (scores, verdict)
+
+
+class DraftBudget:
+    """Per-request draft lengths from load (module docstring). ``costs``: shared ``Costs`` (default: its own)."""
+
+    def __init__(self, decay: float = DECAY, shared_cost: bool = False, costs: Costs | None = None):
+        self.decay, self.shared_cost = decay, shared_cost
+        self.costs = costs if costs is not None else Costs(decay)
+        self.forward_cost, self.draft_time, self.step_cost = self.costs.forward, self.costs.draft_time, self.costs.step
         self.pooled = list(POOLED_PRIOR)  # decayed [accepted, rejected] of all requests
         self.requests: dict[int, list[float]] = {}  # request id -> decayed [accepted, rejected]
         self.idle: dict[int, int] = {}  # request id -> rounds at K = 0 since its last draft
+
+    @property
+    def untimed_drafts(self) -> int:
+        return self.costs.untimed_drafts
+
+    @untimed_drafts.setter
+    def untimed_drafts(self, value: int) -> None:
+        self.costs.untimed_drafts = value
 
     # ---- measurements ----------------------------------------------------------------------------------
     def record_forward(self, tokens: int, seconds: float) -> None:
@@ -141,6 +162,15 @@ class DraftBudget:
             self.untimed_drafts -= 1
             return
         self.step_cost.record(rows, seconds)
+
+    def record_verify_row(self, seconds: float) -> None:
+        """One drafting request's acceptance work (processed scores at every node, the verdict): what a row that
+        drafts costs beyond its share of the forward, against a plain row's one sampled token."""
+        self.costs.verify_row.add(0.0, seconds)
+
+    def verify_row_seconds(self) -> float:
+        timed = self.costs.verify_row
+        return timed.sy / timed.n if timed.n else 0.0
 
     def record_verdict(self, request_id: int, drafted: int, accepted: int) -> None:
         if drafted <= 0:
@@ -192,10 +222,11 @@ class DraftBudget:
         """Drafting seconds of a round whose requests draft ``lengths`` (shared: one forward per depth, over
         the requests drafting that deep)."""
         lengths = list(lengths)
+        rows = sum(k > 0 for k in lengths) * self.verify_row_seconds()
         if self.shared_cost:
-            return sum(self.draft_step_seconds(sum(k > depth for k in lengths))
-                       for depth in range(max(lengths, default=0)))
-        return sum(self.draft_seconds(k) for k in lengths)
+            return rows + sum(self.draft_step_seconds(sum(k > depth for k in lengths))
+                              for depth in range(max(lengths, default=0)))
+        return rows + sum(self.draft_seconds(k) for k in lengths)
 
     # ---- the choice ------------------------------------------------------------------------------------
     def plan(self, base_tokens: int, sampling_rows: int, candidates: Sequence[Candidate]) -> dict[int, int]:
@@ -211,10 +242,7 @@ class DraftBudget:
         self._draft_s = [self.draft_seconds(k) for k in range(max((c.max_drafts for c in candidates), default=0) + 1)]
         self._step_s = [self.draft_step_seconds(n) for n in range(len(candidates) + 1)] if self.shared_cost else []
         best, chosen = -1.0, []
-        # with a shared draft call the deepest request sets the cost: try every cap on the depth (the best prefix
-        # under a cap is optimal for it); otherwise the one walk over all gains is optimal
-        for cap in range(max((c.max_drafts for c in candidates), default=0) + 1) if self.shared_cost else (None,):
-            allowed = gains if cap is None else [g for g in gains if g[2] <= cap]
+        for allowed in self._subsets(gains, candidates):
             m, goodput = self._best_prefix(allowed, base_tokens, sampling_rows, lengths)
             if goodput > best:
                 best, chosen = goodput, allowed[:m]
@@ -223,15 +251,33 @@ class DraftBudget:
         self._probe(lengths, candidates, base_tokens, sampling_rows, best)
         return lengths
 
+    def _subsets(self, gains, candidates: Sequence[Candidate]):
+        """The gain lists the prefix walk runs over. Fixed costs (a verify row's acceptance work, a draft call's
+        intercept, a shared draft depth's forward) make a short walk miss allocations that spread fewer, longer
+        drafts, so: with a shared draft call, every cap on the depth (the deepest request sets the cost); per-request
+        calls, the r most accepting requests for every r (for equal costs the best r requests are the most
+        accepting)."""
+        if self.shared_cost:
+            for cap in range(max((c.max_drafts for c in candidates), default=0) + 1):
+                yield [g for g in gains if g[2] <= cap]
+            return
+        ranked = sorted((c.request_id for c in candidates), key=lambda r: -self.alpha(r))
+        for count in range(1, len(ranked) + 1):
+            kept = set(ranked[:count])
+            yield [g for g in gains if g[1] in kept]
+
     def _best_prefix(self, gains, base_tokens: int, sampling_rows: int, lengths: dict[int, int]):
         """(m, goodput) of the best prefix of ``gains`` (marginal gain, request id, k), largest first."""
         forward_s, draft_s, step_s = self._forward_s, self._draft_s, self._step_s  # this round's tables (``plan``)
+        row_s = self.verify_row_seconds()
         tokens, seconds_drafting, counts = float(sampling_rows), 0.0, dict(lengths)
         at_depth = [0] * (len(draft_s) + 1)  # shared: requests drafting at each depth
         best_m, best = 0, tokens / max(forward_s[0], 1e-9)
         for m, (gain, request_id, _) in enumerate(gains, start=1):
             k = counts[request_id] = counts[request_id] + 1
             tokens += gain
+            if k == 1:  # the request becomes a verify row
+                seconds_drafting += row_s
             if self.shared_cost:  # the k-th draft joins depth k - 1's forward
                 rows = at_depth[k - 1] = at_depth[k - 1] + 1
                 seconds_drafting += step_s[rows] - step_s[rows - 1]

@@ -236,8 +236,13 @@ def add_arguments(parser) -> None:
     parser.add_argument("--rates", default="0.25,0.5,1,all", help="Poisson arrival rates (requests/s) and/or 'all'")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--systems", default="hf,static,engine", help="comma-separated: hf, static, engine")
-    parser.add_argument("--assistant", choices=["ngram", "eagle"], default=None,
-                        help="also run the engine with this assistant (needs Engine(assistant=...))")
+    parser.add_argument("--assistant", default="",
+                        help="also run the engine with these assistants, comma-separated (ngram, eagle, medusa, "
+                             "self-int8, self-int4, draft:<dir>)")
+    parser.add_argument("--kinds", default=None,
+                        help="speculation under load (bench/engine_load.py): prompt kinds, from chat,code,summarize")
+    parser.add_argument("--concurrency", default="1,2,4,8,16,all",
+                        help="with --kinds: closed-loop concurrency values (and 'all')")
     parser.add_argument("--static-batch-size", type=int, default=16)
     parser.add_argument("--max-running", type=int, default=16)
     parser.add_argument("--max-tokens-per-round", type=int, default=256)
@@ -261,9 +266,8 @@ def parse_rates(text: str) -> list[float | None]:
 
 
 def make_assistant(name: str | None):
-    """The engine's assistant for ``--assistant``: the spec itself (``Engine`` builds a fresh one per request
-    from ``"ngram"`` or ``"eagle"``, the bundled EAGLE head)."""
-    return name
+    """The engine's assistant for one ``--assistant`` spec: the spec itself (``Engine`` resolves it)."""
+    return name or None
 
 
 def build_runners(model, tokenizer, args, eos_ids: set[int], pad_id: int) -> dict[str, Callable]:
@@ -274,7 +278,6 @@ def build_runners(model, tokenizer, args, eos_ids: set[int], pad_id: int) -> dic
     unknown = set(systems) - {"hf", "static", "engine"}
     if unknown:
         raise SystemExit(f"--systems: unknown {sorted(unknown)}; choose from hf, static, engine")
-    make_assistant(args.assistant)  # refuse before anything runs
     engine_kwargs = dict(kv_budget=args.kv_budget, max_tokens_per_round=args.max_tokens_per_round,
                          max_running=args.max_running)
     new_tokens = args.max_new_tokens
@@ -288,10 +291,9 @@ def build_runners(model, tokenizer, args, eos_ids: set[int], pad_id: int) -> dic
     if "engine" in systems:
         runners["engine"] = lambda ps, arr: run_engine(lambda: Engine(model, tokenizer, **engine_kwargs), ps, arr,
                                                        new_tokens)
-    if args.assistant:
-        runners[f"engine+{args.assistant}"] = lambda ps, arr: run_engine(
-            lambda: Engine(model, tokenizer, assistant=make_assistant(args.assistant), **engine_kwargs), ps, arr,
-            new_tokens)
+    for spec in filter(None, args.assistant.split(",")):
+        runners[f"engine+{spec}"] = lambda ps, arr, spec=spec: run_engine(
+            lambda: Engine(model, tokenizer, assistant=make_assistant(spec), **engine_kwargs), ps, arr, new_tokens)
     return runners
 
 
@@ -326,11 +328,15 @@ def _add_ratios(row: dict, rows: dict) -> None:
 
 
 def run(args) -> None:
+    if args.kinds:  # speculation under load: the sweep over kinds and concurrency
+        from bench import engine_load
+
+        engine_load.run(args)
+        return
     from hf_kvspec.models import load_bundled_model
 
     model, tokenizer = load_bundled_model()
     model.eval()
-    make_assistant(args.assistant)  # refuse before the warm-up
     prompts = build_workload(tokenizer, args.num_requests, args.seed)
     eos = model.generation_config.eos_token_id
     eos_ids = set(eos if isinstance(eos, list) else [eos])

@@ -11,7 +11,7 @@ from hf_kvspec.speculative import draft_budget
 from hf_kvspec.speculative.draft_budget import Candidate, DraftBudget, ForwardCost
 
 
-def _budget(curve, alphas, draft_s=None, shared=False) -> DraftBudget:
+def _budget(curve, alphas, draft_s=None, shared=False, verify_row=0.003) -> DraftBudget:
     """A budget whose forward cost is ``curve(T)`` seconds (measured at every T up to 64), whose requests accept with
     ``alphas[i]`` (many rounds observed) and whose draft calls cost ``draft_s(K)`` (``shared``: once a round)."""
     budget = DraftBudget(decay=1.0, shared_cost=shared)
@@ -21,6 +21,7 @@ def _budget(curve, alphas, draft_s=None, shared=False) -> DraftBudget:
         budget.requests[request_id] = [alpha * 1000.0, (1 - alpha) * 1000.0]
     for k in (1, 1, 2, 4, 8):  # the first is not counted
         budget.record_draft(k, draft_s(k) if draft_s else 0.0)
+    budget.record_verify_row(verify_row)  # each drafting request's acceptance work
     if shared:  # one depth's forward over n rows: the first is not counted either
         budget.untimed_drafts = 1
         for rows in (1, 1, 2, 3, 4, 6, 8):
@@ -31,12 +32,13 @@ def _budget(curve, alphas, draft_s=None, shared=False) -> DraftBudget:
 def _goodput(budget, lengths, base, sampling) -> float:
     tokens = sampling + sum(budget._expected(r, k) for r, k in lengths.items())
     drafts = list(lengths.values())
+    rows = sum(k > 0 for k in drafts) * budget.verify_row_seconds()
     if budget.shared_cost:  # written out: one forward per depth over the requests drafting that deep
         drafting = sum(budget.step_cost(sum(k > depth for k in drafts)) for depth in range(max(drafts))
                        ) if max(drafts) else 0.0
     else:
         drafting = sum(budget.draft_seconds(k) for k in drafts)
-    return tokens / (budget.forward_cost(base + sum(drafts)) + drafting)
+    return tokens / (budget.forward_cost(base + sum(drafts)) + drafting + rows)
 
 
 def _brute_force(budget, candidates, base, sampling) -> float:
@@ -60,8 +62,11 @@ def test_the_plan_is_as_good_as_every_combination_of_lengths(curve, alphas, draf
     candidates = [Candidate(i, 5) for i in range(len(alphas))]
     for base, sampling in ((3, 3), (10, 3)):
         lengths = budget.plan(base, sampling, candidates)
-        assert _goodput(budget, lengths, base, sampling) == pytest.approx(
-            _brute_force(budget, candidates, base, sampling), rel=1e-9)
+        best = _brute_force(budget, candidates, base, sampling)
+        if shared:  # fixed costs per depth and per row: the capped walks are near the optimum, not always on it
+            assert best >= _goodput(budget, lengths, base, sampling) >= 0.97 * best
+        else:
+            assert _goodput(budget, lengths, base, sampling) == pytest.approx(best, rel=1e-9)
 
 
 def test_a_steep_forward_means_no_drafts_and_a_flat_one_means_all_of_them():
@@ -102,7 +107,7 @@ def test_an_idle_request_is_probed_only_when_the_probe_is_cheap():
     rounds = [cheap.plan(1, 1, [Candidate(0, 4)])[0] for _ in range(3 * draft_budget.PROBE_EVERY)]
     assert sum(rounds) == 0  # a 2-token probe costs 2 more steps there: more than PROBE_LOSS
     # a flat forward and a fixed draft cost just above break-even: 2 drafts emit 1.24 tokens for 1.245 steps
-    near = _budget(lambda t: 0.03, [0.2], lambda k: 0.245 * 0.03)
+    near = _budget(lambda t: 0.03, [0.2], lambda k: 0.245 * 0.03, verify_row=0.0)
     near.requests[0] = [0.0, 0.0]
     near.pooled = [200.0, 800.0]  # alpha 0.2, which idle rounds fade towards
     rounds = [near.plan(1, 1, [Candidate(0, 2)])[0] for _ in range(3 * draft_budget.PROBE_EVERY)]

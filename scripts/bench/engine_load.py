@@ -1,0 +1,191 @@
+"""Speculation under load: the plain engine, the engine with each assistant, and transformers' ``generate_batch``
+(its continuous batching) on the same requests, over concurrency and arrival rates, per prompt kind.
+
+    python scripts/benchmark.py engine --kinds chat,code,summarize --concurrency 1,2,4,8,16,all \\
+        --rates 0.5,1,2 --assistant ngram,eagle,medusa,self-int8 --num-requests 16 --max-new-tokens 64
+
+A load is either a concurrency C (every request queued at t = 0 and at most C running: a closed loop at C; ``all``
+runs every request at once) or a Poisson arrival rate (requests/s) with the default ``--max-running``. Each cell
+(kind x load) runs every system one after another on the same prompts, greedy, one torch thread:
+
+    engine      ``hf_kvspec.Engine`` without an assistant (the baseline of every ratio)
+    engine+A    the same with ``assistant=A``; the draft length per request and round is the engine's own choice
+                (``draft_lengths="goodput"``): ``k_mean`` is the mean drafts per decode row, ``tau`` the tokens a
+                decode row emits per round, ``drafting`` the share of decode rows that drafted
+    hf          transformers' continuous batching (what ``model.generate_batch`` runs on), matched KV bytes, token
+                budget and running requests (C)
+
+Figures per system: output tokens/s (``speedup`` against ``engine``, ``vs_hf`` against ``hf``), TTFT and TPOT
+p50/p99 (TPOT: a request's (last token - first token) / (tokens - 1)), how many outputs equal the plain engine's,
+and the load average before and after. Results: ``benchmarks/results/<out-name>.{json,md,png}`` (the plot: speedup
+over the plain engine against concurrency, one panel per prompt kind).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+from bench.engine import Trace, arrival_times, hf_config, percentile, run_engine, run_hf
+from bench.harness import Report, load_average, save_plot
+
+COLUMNS = ["kind", "load", "system", "completed", "output_tokens", "tok_per_s", "speedup", "vs_hf", "k_mean",
+           "tau", "drafting", "ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99", "same_as_engine", "load_before",
+           "load_after"]
+KINDS = ("chat", "code", "summarize")
+
+
+def workload(tokenizer, kind: str, count: int) -> list[list[int]]:
+    """``count`` chat-templated prompts of ``kind`` (cycled when the set is smaller)."""
+    from bench.spec_defaults import load_prompts
+
+    texts = load_prompts(kind, 1000)
+    prompts = []
+    for text in itertools.islice(itertools.cycle(texts), count):
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+        prompts.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
+    return prompts
+
+
+def parse_loads(concurrency: str, rates: str) -> list[tuple[str, int | None, float | None]]:
+    """``(label, max_running or None, rate or None)`` per load: concurrency values first, then Poisson rates."""
+    loads = []
+    for item in filter(None, concurrency.split(",")):
+        loads.append(("C=all", None, None) if item == "all" else (f"C={int(item)}", int(item), None))
+    for item in filter(None, rates.split(",")):
+        if item != "all":
+            loads.append((f"{float(item):g}/s", None, float(item)))
+    return loads
+
+
+def tpot(trace: Trace) -> float | None:
+    if len(trace.token_times) < 2:
+        return None
+    return (trace.token_times[-1] - trace.token_times[0]) / (len(trace.token_times) - 1)
+
+
+def figures(traces: list[Trace]) -> dict:
+    done = [t for t in traces if t.token_times]
+    tokens = sum(len(t.output_ids) for t in traces)
+    seconds = max(t.token_times[-1] for t in done) - min(t.arrival for t in traces) if done else 0.0
+    ttft = [t.token_times[0] - t.arrival for t in done]
+    per_token = [p for p in map(tpot, done) if p is not None]
+    return {"completed": len(done), "output_tokens": tokens, "tok_per_s": round(tokens / seconds, 2) if seconds else None,
+            "ttft_p50": percentile(ttft, 0.5), "ttft_p99": percentile(ttft, 0.99),
+            "tpot_p50": percentile(per_token, 0.5), "tpot_p99": percentile(per_token, 0.99)}
+
+
+def speculation(engine) -> dict:
+    """The draft lengths the engine chose and what they gave: mean drafts per decode row, tokens per decode row,
+    the share of decode rows that drafted."""
+    rounds = [r for r in engine.stats.rounds if r.num_decode_rows]
+    rows = sum(r.num_decode_rows for r in rounds)
+    if not rows:
+        return {}
+    drafted = sum(r.num_draft_tokens for r in rounds)
+    emitted = sum(r.num_output_tokens for r in rounds)
+    drafting_rows = sum(min(r.num_decode_rows, r.num_draft_tokens) for r in rounds if r.num_draft_tokens)
+    return {"k_mean": round(drafted / rows, 2), "tau": round(emitted / rows, 2),
+            "drafting": round(drafting_rows / rows, 2)}
+
+
+def _engine_run(model, tokenizer, assistant, max_running: int, args, prompts, arrivals):
+    from hf_kvspec import Engine
+
+    made = []
+
+    def make():
+        made.append(Engine(model, tokenizer, kv_budget=args.kv_budget, max_tokens_per_round=args.max_tokens_per_round,
+                           max_running=max_running, assistant=assistant))
+        return made[-1]
+
+    traces, _ = run_engine(make, prompts, arrivals, args.max_new_tokens)
+    return traces, speculation(made[-1]) if assistant else {}
+
+
+def _hf_run(model, max_running: int, args, prompts, arrivals, eos_ids):
+    import copy
+
+    settings = copy.copy(args)
+    settings.max_running = max_running
+    traces, _ = run_hf(model, prompts, arrivals, args.max_new_tokens, eos_ids, hf_config(model, settings))
+    return traces, {}
+
+
+def systems(model, tokenizer, args, eos_ids) -> dict:
+    """``name -> run(max_running, prompts, arrivals) -> (traces, extra)``."""
+    runs = {"engine": lambda c, p, a: _engine_run(model, tokenizer, None, c, args, p, a)}
+    for spec in filter(None, args.assistant.split(",")):
+        runs[f"engine+{spec}"] = lambda c, p, a, spec=spec: _engine_run(model, tokenizer, spec, c, args, p, a)
+    if "hf" in args.systems.split(","):
+        runs["hf"] = lambda c, p, a: _hf_run(model, c, args, p, a, eos_ids)
+    return runs
+
+
+def run_cell(runs: dict, kind: str, label: str, max_running: int, prompts, arrivals) -> list[dict]:
+    rows, outputs = {}, {}
+    for name, run in runs.items():
+        before = load_average()
+        traces, extra = run(max_running, prompts, arrivals)
+        outputs[name] = [t.output_ids for t in traces]
+        rows[name] = {"kind": kind, "load": label, "system": name, **figures(traces), **extra,
+                      "load_before": round(before, 2), "load_after": round(load_average(), 2)}
+    base, hf = rows["engine"]["tok_per_s"], rows.get("hf", {}).get("tok_per_s")
+    for name, row in rows.items():
+        row["speedup"] = round(row["tok_per_s"] / base, 3) if base and row["tok_per_s"] else None
+        row["vs_hf"] = round(row["tok_per_s"] / hf, 3) if hf and row["tok_per_s"] else None
+        row["same_as_engine"] = sum(a == b for a, b in zip(outputs[name], outputs["engine"]))
+    return list(rows.values())
+
+
+def run(args) -> None:
+    from hf_kvspec.models import load_bundled_model
+
+    model, tokenizer = load_bundled_model()
+    model.eval()
+    eos = model.generation_config.eos_token_id
+    eos_ids = set(eos if isinstance(eos, list) else [eos])
+    runs = systems(model, tokenizer, args, eos_ids)
+    warm = workload(tokenizer, "chat", 2)
+    for run_system in runs.values():  # first-call costs (kernel builds, packing, allocations) are not a cell's
+        run_system(2, warm, arrival_times(2, None))
+    report = Report(args.out_name, "Speculation under load: engine, engine + assistant, transformers' generate_batch",
+                    COLUMNS, settings={k: v for k, v in vars(args).items() if k != "func"})
+    for kind in args.kinds.split(","):
+        prompts = workload(tokenizer, kind, args.num_requests)
+        for label, max_running, rate in parse_loads(args.concurrency, args.rates):
+            arrivals = arrival_times(len(prompts), rate, args.seed)
+            for row in run_cell(runs, kind, label, max_running or (len(prompts) if rate is None else args.max_running),
+                                prompts, arrivals):
+                report.add(**row)
+    report.notes += [
+        f"{args.num_requests} requests per cell, greedy, max_new_tokens={args.max_new_tokens}, 1 torch thread; "
+        "C=n: all queued at t=0, at most n running (a closed loop); r/s: Poisson arrivals, "
+        f"max_running={args.max_running}.",
+        "speedup: tok/s over the plain engine in the same cell; k_mean: drafts per decode row (the engine's goodput "
+        "choice, 0 where drafting does not pay); tau: tokens per decode row and round; drafting: share of decode "
+        "rows that drafted.",
+    ]
+    report.write()
+    save_plot(args.out_name, lambda fig: draw(fig, report.rows))
+
+
+def draw(fig, rows: list[dict]) -> None:
+    """Speedup over the plain engine against concurrency, one panel per kind, a line per assistant."""
+    kinds = list(dict.fromkeys(r["kind"] for r in rows))
+    for k, kind in enumerate(kinds):
+        ax = fig.add_subplot(1, len(kinds), k + 1)
+        cells = [r for r in rows if r["kind"] == kind and r["load"].startswith("C=")]
+        loads = list(dict.fromkeys(r["load"] for r in cells))
+        for system in dict.fromkeys(r["system"] for r in cells):
+            if system == "engine":
+                continue
+            values = [next((r["speedup"] or 0 for r in cells if r["system"] == system and r["load"] == load), 0)
+                      for load in loads]
+            ax.plot(range(len(loads)), values, marker="o", label=system)
+        ax.axhline(1.0, color="grey", linewidth=0.8)
+        ax.set_xticks(range(len(loads)), [load[2:] for load in loads])
+        ax.set_xlabel("concurrency")
+        ax.set_ylabel("tok/s over the plain engine")
+        ax.set_title(kind)
+        if k == 0:
+            ax.legend(fontsize=7)
