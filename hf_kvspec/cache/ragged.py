@@ -275,6 +275,16 @@ class RaggedPagedCache(Cache):
         if kwargs is None:
             raise ValueError(f"RaggedPagedCache needs attn_implementation={RAGGED_ATTN_NAME!r} (the serving engine "
                              "switches the model to it for each forward).")
+        keys, values, view = self.write_layer(key_states, value_states, layer_idx)
+        stored_kv.hand_over(kwargs, view, self._config, "RaggedPagedCache")  # always paired with kvspec_ragged
+        return keys, values
+
+    def write_layer(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int):
+        """``update`` without the hand-over to ``kvspec_ragged``: scatter the packed new K/V ``[1, Hkv, T, D]``
+        and return ``(keys, values, layout)`` to a caller that attends itself (the fast forward's
+        ``RaggedAttend``, which needs no switch of the model's attention)."""
+        if self._forward is None:
+            raise RuntimeError("RaggedPagedCache is written by the serving engine: call begin_forward() first.")
         _, slots, view = self._forward
         layer = self.layers[layer_idx]
         if not layer.is_initialized:
@@ -282,8 +292,7 @@ class RaggedPagedCache(Cache):
             layer.keys.zero_()  # R2
             layer.values.zero_()
         layer.write(slots, key_states, value_states)
-        stored_kv.hand_over(kwargs, view, self._config, "RaggedPagedCache")  # always paired with kvspec_ragged
-        return layer.keys, layer.values
+        return layer.keys, layer.values, view
 
     def end_forward(self, ok: bool) -> None:
         """Close the forward: commit every row's new tokens (``ok``); in any case give back the blocks reserved

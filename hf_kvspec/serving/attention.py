@@ -251,16 +251,15 @@ def ragged_attention_forward(
 
 class RaggedAttend:
     """The fast forward's attention callback (``hf_kvspec.forward.program.Attend``) over the engine's
-    ``RaggedPagedCache``: each layer scatters its new K/V through the cache's ``update`` (which hands the packed
-    layout over, as for ``kvspec_ragged``) and attends with ``ragged_attention``."""
+    ``RaggedPagedCache``: each layer scatters its new K/V (``write_layer``, which returns the packed layout
+    directly: the model's attention is never switched for the fast forward) and attends with
+    ``ragged_attention``."""
 
     def __init__(self, cache, scaling: float):
         self.cache, self.scaling = cache, scaling
 
     def __call__(self, index: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-        kwargs: dict = {}
-        key_pages, value_pages = self.cache.update(key, value, index, kwargs=kwargs)  # [N, P, Hkv, D] each
-        view = stored_kv.take(kwargs, RaggedKV)
+        key_pages, value_pages, view = self.cache.write_layer(key, value, index)  # [N, P, Hkv, D] each
         return ragged_attention(query, key_pages, value_pages, view, self.scaling)  # [1, T, Hq, D]
 
 

@@ -144,8 +144,8 @@ class ForwardRunner:
         input_ids, position_ids, logits_columns = self.pack(rows)
         self.cache.begin_forward([RaggedRow(r.seq_id, r.start, len(r.token_ids), r.new_token_mask) for r in rows],
                                  self.device, reference=self.reference)
-        if self.fast is not None:
-            with torch.no_grad(), ragged_attention_switched(self.model):
+        if self.fast is not None:  # attends through RaggedAttend: the model's attention stays as it is
+            with torch.no_grad():
                 logits, features = self.fast.run(input_ids, position_ids, RaggedAttend(self.cache, self.fast.scaling),
                                                  logits_columns, feature_layers)
             return logits[0], None if features is None else features[0]
@@ -162,8 +162,10 @@ class ForwardRunner:
         kernels, each of which walks the model's modules — in place for the rounds run inside the block (a serving
         loop, ``Engine.generate_batch``). With ``attention`` the model attends with ``kvspec_ragged`` inside the
         block, so nothing else may run the model there: an engine whose drafters may run the target (a draft model
-        that is the target, self-drafting) holds the kernels only (``Engine.hold_rounds``)."""
-        with ragged_attention_switched(self.model) if attention else nullcontext(), self._kernels():
+        that is the target, self-drafting) holds the kernels only (``Engine.hold_rounds``). The fast forward attends
+        without the switch, so it is held only for the model's own forward."""
+        held = attention and self.fast is None
+        with ragged_attention_switched(self.model) if held else nullcontext(), self._kernels():
             yield
 
     @contextmanager

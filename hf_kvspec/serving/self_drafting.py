@@ -36,7 +36,6 @@ from hf_kvspec.speculative.drafters.quantized_self import QuantizedSelfAssistant
 
 from .attention import RaggedAttend
 from .request import Request
-from .runner import ragged_attention_switched
 
 __all__ = ["QuantizedSelfAssistant", "SelfDrafters", "check_self_drafting"]
 
@@ -94,15 +93,14 @@ class SelfDrafters:
         """Each ``(request, count)``'s chain ``[1, count]``, drafted together, one packed forward per depth;
         ``record(rows, seconds)`` gets each depth's forward time (``DraftBudget.record_draft_step``)."""
         tokens = {request.request_id: [] for request, _ in entries}
-        with ragged_attention_switched(self.model):  # the cache hands its layout to kvspec_ragged only
-            for depth in range(max((count for _, count in entries), default=0)):
-                started = time.perf_counter()
-                drafting = [(request, count) for request, count in entries if count > depth]
-                fed = [tokens[r.request_id][-1] if depth else r.tokens[-1] for r, _ in drafting]
-                for (request, _), token in zip(drafting, self._step(drafting, fed, depth)):
-                    tokens[request.request_id].append(token)
-                if record is not None:
-                    record(len(drafting), time.perf_counter() - started)
+        for depth in range(max((count for _, count in entries), default=0)):
+            started = time.perf_counter()
+            drafting = [(request, count) for request, count in entries if count > depth]
+            fed = [tokens[r.request_id][-1] if depth else r.tokens[-1] for r, _ in drafting]
+            for (request, _), token in zip(drafting, self._step(drafting, fed, depth)):
+                tokens[request.request_id].append(token)
+            if record is not None:
+                record(len(drafting), time.perf_counter() - started)
         return [DraftProposal(torch.tensor([tokens[r.request_id]], dtype=torch.long).view(1, -1))
                 for r, _ in entries]
 

@@ -163,7 +163,7 @@ def test_held_across_rounds_keeps_the_switch_and_restores_it(llama):
 
     before = _compat.attn_implementation(llama.config)
     cache = RaggedPagedCache(llama.config, num_blocks=32, block_size=4)
-    runner = ForwardRunner(llama, cache)
+    runner = ForwardRunner(llama, cache, fast_forward=False)  # the model's own forward reads kvspec_ragged
     prompts = random_prompts([5, 8, 3], seed=43)
     with runner.held_across_rounds():
         assert _compat.attn_implementation(llama.config) == "kvspec_ragged"
@@ -171,8 +171,26 @@ def test_held_across_rounds_keeps_the_switch_and_restores_it(llama):
         assert _compat.attn_implementation(llama.config) == "kvspec_ragged"
     assert _compat.attn_implementation(llama.config) == before != "kvspec_ragged"
     other = RaggedPagedCache(llama.config, num_blocks=32, block_size=4)
-    for got, expected in zip(held, mixed_rounds(ForwardRunner(llama, other), other, prompts)):
+    for got, expected in zip(held, mixed_rounds(ForwardRunner(llama, other, fast_forward=False), other, prompts)):
         torch.testing.assert_close(got, expected, rtol=0, atol=0)  # same kernels and calls: bitwise equal
+
+
+def test_the_fast_forward_never_switches_the_models_attention(llama, monkeypatch):
+    from hf_kvspec import _compat
+
+    before = _compat.attn_implementation(llama.config)
+    switches = []
+    monkeypatch.setattr(type(llama), "set_attn_implementation", lambda self, name: switches.append(name))
+    cache = RaggedPagedCache(llama.config, num_blocks=32, block_size=4)
+    runner = ForwardRunner(llama, cache, fast_forward=True)
+    with runner.held_across_rounds():
+        fast = mixed_rounds(runner, cache, random_prompts([5, 8, 3], seed=43))
+    assert switches == [] and _compat.attn_implementation(llama.config) == before
+    monkeypatch.undo()
+    other = RaggedPagedCache(llama.config, num_blocks=32, block_size=4)
+    reference = mixed_rounds(ForwardRunner(llama, other, fast_forward=False), other, random_prompts([5, 8, 3], seed=43))
+    for got, expected in zip(fast, reference):
+        torch.testing.assert_close(got, expected, **TOL)
 
 
 def test_self_drafting_drafts_the_int8_copys_chain_on_the_paged_cache_and_keeps_nothing(llama):
