@@ -487,10 +487,12 @@ def _add_batch(subparsers) -> None:
     p.add_argument("--no-chat", action="store_true", help="feed \"prompt\" text raw, without the chat template")
     p.add_argument("--assistant", default=None,
                    help="speculative decoding inside the rounds: ngram | eagle | medusa (the bundled heads) | "
-                        "draft:<causal LM dir> | draft:truncated:<N>")
+                        "self-int8 | self-int4 (drafts from a quantized copy, batched across requests) | "
+                        "draft:<causal LM dir> | draft:truncated:<N>; each request's drafts are chosen per round "
+                        "from load (none where drafting would not pay)")
     p.add_argument("--num-draft-tokens", type=_count(1), default=None,
                    help="with --assistant: drafts (tree nodes) per request per round at most (default: ngram and "
-                        "draft models 4, eagle and medusa 8); the token budget may grant fewer")
+                        "draft models 4, eagle and medusa 8, self-int8 8); the token budget may grant fewer")
     _add_reference_forward(p)
     p.add_argument("--threads", type=_count(1), default=2)
     p.add_argument("--no-progress", action="store_true")
@@ -525,8 +527,9 @@ def _batch_defaults(args) -> dict:
 
 
 def _batch_assistant_problem(spec: str) -> str | None:
-    """What is wrong with ``batch --assistant`` before the model loads: the engine runs chain and tree drafters,
-    not self-speculation (it shares one paged cache among all requests)."""
+    """What is wrong with ``batch --assistant`` before the model loads: the engine runs chain and tree drafters and
+    quantized self-drafting, not self-speculation through the target's own layers (early exit, layer skip, sparse
+    KV: they draft on a cache of their own request's, and the engine's is shared)."""
     from hf_kvspec.speculative.assistants import HEAD_ASSISTANTS
 
     if spec in HEAD_ASSISTANTS:
@@ -534,7 +537,7 @@ def _batch_assistant_problem(spec: str) -> str | None:
     problem = _assistant_problem(spec)
     if problem is None and spec.split(":")[0] in ("early_exit", "layer_skip", "sparse_kv"):
         return f"{spec} is self-speculation (it drafts on the target's own cache); the engine takes ngram, eagle, " \
-               "medusa or a draft model (draft:<dir>, draft:truncated:<N>)."
+               "medusa, self-int8, self-int4 or a draft model (draft:<dir>, draft:truncated:<N>)."
     return problem
 
 

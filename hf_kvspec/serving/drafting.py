@@ -69,7 +69,7 @@ def check_assistant(assistant: Assistant, sliding: bool) -> None:
     name = type(assistant).__name__
     if assistant.shares_target_cache or assistant.runs_verify_forward:
         raise ValueError(f"{name} drafts with the target's own cache (self-speculation); the engine's paged cache "
-                         "is shared by all requests. Use ngram, a draft model, medusa or eagle.")
+                         "is shared by all requests. Use ngram, a draft model, medusa, eagle or self-int8.")
     if assistant.acceptance != "exact":
         raise ValueError(f"{name}(acceptance={assistant.acceptance!r}) is lossy; the engine verifies exactly. "
                          "Build the assistant with acceptance='exact'.")

@@ -243,6 +243,8 @@ def add_arguments(parser) -> None:
                         help="speculation under load (bench/engine_load.py): prompt kinds, from chat,code,summarize")
     parser.add_argument("--concurrency", default="1,2,4,8,16,all",
                         help="with --kinds: closed-loop concurrency values (and 'all')")
+    parser.add_argument("--repeats", type=int, default=2,
+                        help="with --kinds: runs per system and cell, alternating order; the fastest counts")
     parser.add_argument("--static-batch-size", type=int, default=16)
     parser.add_argument("--max-running", type=int, default=16)
     parser.add_argument("--max-tokens-per-round", type=int, default=256)

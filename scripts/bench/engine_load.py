@@ -121,14 +121,20 @@ def systems(model, tokenizer, args, eos_ids) -> dict:
     return runs
 
 
-def run_cell(runs: dict, kind: str, label: str, max_running: int, prompts, arrivals) -> list[dict]:
+def run_cell(runs: dict, kind: str, label: str, max_running: int, prompts, arrivals, repeats: int = 1) -> list[dict]:
+    """Every system on the cell, ``repeats`` times in alternating order; a system's fastest run counts (timer and
+    scheduler noise only ever slow a run down)."""
     rows, outputs = {}, {}
-    for name, run in runs.items():
-        before = load_average()
-        traces, extra = run(max_running, prompts, arrivals)
-        outputs[name] = [t.output_ids for t in traces]
-        rows[name] = {"kind": kind, "load": label, "system": name, **figures(traces), **extra,
-                      "load_before": round(before, 2), "load_after": round(load_average(), 2)}
+    for repeat in range(repeats):
+        for name, run in (runs.items() if repeat % 2 == 0 else reversed(runs.items())):
+            if name == "hf" and repeat:  # the slow baseline once: its ratio to ours is far from any threshold
+                continue
+            before = load_average()
+            traces, extra = run(max_running, prompts, arrivals)
+            row = {"kind": kind, "load": label, "system": name, **figures(traces), **extra,
+                   "load_before": round(before, 2), "load_after": round(load_average(), 2)}
+            if name not in rows or (row["tok_per_s"] or 0) > (rows[name]["tok_per_s"] or 0):
+                rows[name], outputs[name] = row, [t.output_ids for t in traces]
     base, hf = rows["engine"]["tok_per_s"], rows.get("hf", {}).get("tok_per_s")
     for name, row in rows.items():
         row["speedup"] = round(row["tok_per_s"] / base, 3) if base and row["tok_per_s"] else None
@@ -154,11 +160,12 @@ def run(args) -> None:
         prompts = workload(tokenizer, kind, args.num_requests)
         for label, max_running, rate in parse_loads(args.concurrency, args.rates):
             arrivals = arrival_times(len(prompts), rate, args.seed)
-            for row in run_cell(runs, kind, label, max_running or (len(prompts) if rate is None else args.max_running),
-                                prompts, arrivals):
+            running = max_running or (len(prompts) if rate is None else args.max_running)
+            for row in run_cell(runs, kind, label, running, prompts, arrivals, args.repeats):
                 report.add(**row)
     report.notes += [
         f"{args.num_requests} requests per cell, greedy, max_new_tokens={args.max_new_tokens}, 1 torch thread; "
+        f"each system's fastest of {args.repeats} runs in alternating order (transformers' once); "
         "C=n: all queued at t=0, at most n running (a closed loop); r/s: Poisson arrivals, "
         f"max_running={args.max_running}.",
         "speedup: tok/s over the plain engine in the same cell; k_mean: drafts per decode row (the engine's goodput "
