@@ -37,27 +37,22 @@ from __future__ import annotations
 import functools
 import threading
 import time
-import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from hf_kvspec.cache.ragged import RaggedPagedCache
-from hf_kvspec.speculative.draft_budget import Candidate, Costs, DraftBudget
 
 from .attention import register_ragged_attention
-from .drafting import Drafters, check_assistant, resolve_assistant
 from .prompts import Prompt, check_vocabulary, make_settings, prompt_ids, settings_from_generation_config
 from .request import FinishReason, Request, RequestDelta, RequestFailedError, RequestOutput, RequestTooLongError
+from .round_drafts import DRAFT_LENGTHS, RoundDrafts
 from .runner import ForwardRow, ForwardRunner
 from .sampling import finish_reason, next_token
 from .scheduler import RoundPlan, ScheduledRow, Scheduler, SchedulingPolicy
-from .self_drafting import QuantizedSelfAssistant, SelfDrafters, check_self_drafting
 from .speculation import Verdict, VerifyRow
 from .telemetry import EngineStats, RoundStats
-
-_COSTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {engine kind: measured Costs}
 
 
 def _locked(method):
@@ -113,9 +108,6 @@ class Engine:
                             ("max_running", max_running)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}.")
-        if draft_lengths not in ("goodput", "fixed"):
-            raise ValueError(f"draft_lengths must be 'goodput' (chosen per round from load) or 'fixed', got "
-                             f"{draft_lengths!r}.")
         register_ragged_attention()
         self.model, self.tokenizer = model, tokenizer
         num_blocks = RaggedPagedCache.blocks_for(model.config, kv_budget, block_size, model.dtype, model.device)
@@ -130,31 +122,13 @@ class Engine:
         self._cancelled: list[RequestDelta] = []
         self.failed_round: tuple[int, ...] = ()  # request ids of the last round that raised (a server fails them)
         self._max_positions = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
-        self.drafters = None if assistant is None else self._drafters(assistant, num_draft_tokens)
-        self.budget = (DraftBudget(shared_cost=self.drafters.shared_cost, costs=self._costs())
-                       if self.drafters is not None and draft_lengths == "goodput" else None)
-
-    def _costs(self) -> Costs:
-        """The measured forward and draft costs of this model, forward kind, thread count and drafter, shared with
-        earlier engines of the same kind in this process (``draft_budget.Costs``)."""
-        drafter = self.drafters.assistant
-        key = (self.runner.fast is not None, self.runner.reference, torch.get_num_threads(), type(drafter).__name__,
-               getattr(drafter, "weights", None))
-        return _COSTS.setdefault(self.model, {}).setdefault(key, Costs())
+        self.drafts = None if assistant is None and draft_lengths in DRAFT_LENGTHS else RoundDrafts(
+            model, self.cache, self.runner, assistant, num_draft_tokens, draft_lengths)  # speculation, if any
 
     @property
     def vocab_size(self) -> int:
         """Token ids a request may hold: ``0 .. vocab_size - 1`` (the model's input embedding rows)."""
         return self._vocab_size
-
-    def _drafters(self, assistant, num_draft_tokens: int | None) -> Drafters | SelfDrafters:
-        assistant = resolve_assistant(assistant, self.model)
-        if isinstance(assistant, QuantizedSelfAssistant):
-            check_self_drafting(assistant, self.model, self.runner)
-            return SelfDrafters(assistant, self.cache, num_draft_tokens)
-        check_assistant(assistant, sliding=any(layer.is_sliding for layer in self.cache.layers))
-        pad = self.model.generation_config.pad_token_id
-        return Drafters(assistant, self.model, num_draft_tokens, pad if isinstance(pad, int) else 0)
 
     # ---- requests ------------------------------------------------------------------------------------------
     @_locked
@@ -304,7 +278,8 @@ class Engine:
         (and drop the drafter sessions that drafted in it: ``drafting.py``)."""
         generators, verify, plan = [], {}, None
         try:
-            self._set_draft_limits()
+            if self.drafts is not None:
+                self.drafts.set_limits(self.scheduler.running)
             plan = self.scheduler.schedule(only)
             for request in plan.preempted:
                 self._forget_drafts(request)
@@ -312,7 +287,7 @@ class Engine:
                 return plan, []
             sampling = [row.request for row in plan.rows if row.samples]
             generators = [(r.generator, r.generator.get_state()) for r in sampling if r.generator is not None]
-            verify = self._draft(plan, self._draft_lengths(plan))
+            verify = self.drafts.draft(plan) if self.drafts is not None else {}
             return plan, self._forward_and_choose(plan, verify)
         except BaseException:
             self.failed_round = () if plan is None else tuple(row.request.request_id for row in plan.rows)
@@ -323,47 +298,14 @@ class Engine:
                 self._forget_drafts(row.request)
             raise
 
-    def _set_draft_limits(self) -> None:
-        for request in self.scheduler.running:
-            request.draft_limit = self.drafters.draft_limit(request) if self.drafters and request.is_decoding else 0
-
-    def _drafting_rows(self, plan: RoundPlan) -> dict[int, int]:
-        """Row index -> drafts it may verify, for the decode rows whose requests have a drafter session."""
-        if self.drafters is None:
-            return {}
-        return {index: min(row.draft_tokens, row.request.draft_limit) for index, row in enumerate(plan.rows)
-                if row.samples and row.num_tokens == 1 and self.drafters.has_session(row.request)}
-
-    def _draft_lengths(self, plan: RoundPlan) -> dict[int, int]:
-        """Row index -> drafts to ask for: the slots granted (``"fixed"``), or the goodput choice."""
-        rows = self._drafting_rows(plan)
-        if self.budget is None or not rows:
-            return rows
-        candidates = [Candidate(plan.rows[i].request.request_id, count) for i, count in rows.items()]
-        base = sum(row.num_tokens for row in plan.rows)
-        chosen = self.budget.plan(base, sum(row.samples for row in plan.rows), candidates)
-        return {i: chosen[plan.rows[i].request.request_id] for i in rows}
-
-    def _draft(self, plan: RoundPlan, lengths: dict[int, int]) -> dict[int, VerifyRow]:
-        """Drafts of the rows in ``lengths`` (row index -> count; ``VerifyRow`` by row index). Under the goodput
-        choice a row at 0 takes the plain path; under ``"fixed"`` it verifies no drafts but goes through
-        acceptance."""
-        asked = {index: count for index, count in lengths.items() if count > 0 or self.budget is None}
-        if not asked:
-            return {}
-        record = None if self.budget is None else (
-            self.budget.record_draft_step if self.drafters.shared_cost else self.budget.record_draft)
-        proposals = self.drafters.propose_rows([(plan.rows[i].request, count) for i, count in asked.items()], record)
-        return {index: VerifyRow(plan.rows[index].request, proposal) for index, proposal in zip(asked, proposals)}
-
     def _forward_and_choose(self, plan: RoundPlan, verify: dict[int, VerifyRow]) -> list[RowResult]:
         """The packed forward (features too, when the assistant reads them) and every row's new tokens."""
         rows = [verify[i].forward_row() if i in verify else ForwardRow.scheduled(row) for i, row in enumerate(plan.rows)]
-        layers = self.drafters.feature_layers if self.drafters else None
+        layers = self.drafts.feature_layers if self.drafts else None
         started = time.perf_counter()
         logits, features = self.runner.forward_with_features(rows, layers)  # [K, V], [T, F] | None
-        if self.budget is not None:
-            self.budget.record_forward(sum(len(row.token_ids) for row in rows), time.perf_counter() - started)
+        if self.drafts is not None:
+            self.drafts.record_forward(sum(len(row.token_ids) for row in rows), time.perf_counter() - started)
         results, at, column = [], 0, 0
         for index, (row, forward_row) in enumerate(zip(plan.rows, rows)):
             count, width = len(forward_row.logits_at), len(forward_row.token_ids)
@@ -371,8 +313,7 @@ class Engine:
             if index in verify:
                 started = time.perf_counter()
                 results.append(RowResult(verify[index].accept(logits[at: at + count]), row_features, width))
-                if self.budget is not None:
-                    self.budget.record_verify_row(time.perf_counter() - started)
+                self.drafts.record_verify_row(time.perf_counter() - started)
             elif row.samples:
                 results.append(RowResult(Verdict([next_token(row.request, logits[at])], 0, 0, [], None),
                                          row_features, width, verified=False))
@@ -404,8 +345,7 @@ class Engine:
         new, reason = self._append(request, result.verdict.tokens, now)
         if result.verified:
             request.metrics.record_speculation(result.verdict.num_draft, result.verdict.num_accepted, len(new))
-            if self.budget is not None:
-                self.budget.record_verdict(request.request_id, result.verdict.num_draft, result.verdict.num_accepted)
+            self.drafts.record_verdict(request, result.verdict.num_draft, result.verdict.num_accepted)
         if reason is not None:
             request.finish(reason, now)
             self.scheduler.remove(request)
@@ -426,8 +366,7 @@ class Engine:
         return tokens, None
 
     def _keep(self, request: Request, row: ScheduledRow, result: RowResult) -> None:
-        """A request that goes on: keep its verified path in the cache, tell its drafter (a plain row of a request
-        with a session is a round that drafted nothing), or begin one."""
+        """A request that goes on: keep its verified path in the cache; its drafter sees the round."""
         verdict = result.verdict
         if result.verified:
             kept = verdict.kept
@@ -436,25 +375,16 @@ class Engine:
             else:
                 self.cache.keep_new_tokens(request.request_id, row.start, kept)
             request.num_computed += verdict.num_accepted
-            path = None if result.features is None else result.features[kept][None]  # [1, 1 + k, F]
-            self.drafters.observe(request, request.num_computed, verdict.num_accepted, verdict.num_draft, path,
-                                  verdict.accepted_nodes)
-        elif self.drafters is not None and self.drafters.has_session(request) and row.num_tokens == 1:
-            path = None if result.features is None else result.features[:1][None]  # [1, 1, F] the root's
-            self.drafters.observe(request, request.num_computed, 0, 0, path, torch.zeros(1, 0, dtype=torch.long))
-        elif self.drafters is not None:
-            self._gather_features(request, result.features)
-            self.drafters.start(request)
+        if self.drafts is not None:
+            self.drafts.keep(request, verdict, result.verified, row.num_tokens, result.features)
 
     def _gather_features(self, request: Request, features) -> None:
-        if self.drafters is not None:
-            self.drafters.gather(request, features)
+        if self.drafts is not None:
+            self.drafts.gather(request, features)
 
     def _forget_drafts(self, request: Request) -> None:
-        if self.drafters is not None:
-            self.drafters.drop(request)
-        if self.budget is not None:
-            self.budget.release([request.request_id])
+        if self.drafts is not None:
+            self.drafts.forget(request)
 
     def _on_admitted(self, request: Request, cached_tokens: int) -> None:
         """Prefix-reuse figures of an admission (a recompute after preemption counts too)."""
@@ -532,7 +462,7 @@ class Engine:
         """The runner's set-up held across the rounds of a serving loop (``ForwardRunner.held_across_rounds``); with
         an assistant only the decode kernels are held, since drafting may run the target outside the engine's
         attention."""
-        return self.runner.held_across_rounds(attention=self.drafters is None)
+        return self.runner.held_across_rounds(attention=self.drafts is None or not self.drafts.runs_target_outside)
 
     @_locked
     def telemetry(self) -> dict:

@@ -243,6 +243,8 @@ def add_arguments(parser) -> None:
                         help="speculation under load (bench/engine_load.py): prompt kinds, from chat,code,summarize")
     parser.add_argument("--concurrency", default="1,2,4,8,16,all",
                         help="with --kinds: closed-loop concurrency values (and 'all')")
+    parser.add_argument("--profile-rounds", default=None,
+                        help="where an engine round goes at these concurrencies (bench/engine_profile.py), e.g. 1,4,16")
     parser.add_argument("--repeats", type=int, default=2,
                         help="with --kinds: runs per system and cell, alternating order; the fastest counts")
     parser.add_argument("--static-batch-size", type=int, default=16)
@@ -330,6 +332,11 @@ def _add_ratios(row: dict, rows: dict) -> None:
 
 
 def run(args) -> None:
+    if args.profile_rounds:  # where an engine round goes
+        from bench import engine_profile
+
+        engine_profile.run(args)
+        return
     if args.kinds:  # speculation under load: the sweep over kinds and concurrency
         from bench import engine_load
 

@@ -200,8 +200,8 @@ def test_a_failed_round_drops_its_drafters_and_the_engine_carries_on(llama):
                     assistant=make_assistant("eagle", llama))
     ids = [engine.add_request(p, max_new_tokens=12, logits_processor=[flaky] if i == 1 else ())
            for i, p in enumerate(prompts)]
-    dropped, drop = [], engine.drafters.drop
-    engine.drafters.drop = lambda request: (dropped.append((calls["n"], request.request_id)), drop(request))[1]
+    dropped, drop = [], engine.drafts.drafters.drop
+    engine.drafts.drafters.drop = lambda request: (dropped.append((calls["n"], request.request_id)), drop(request))[1]
     run_to_end(engine)  # never raises: the culprit's own re-run succeeds
     assert calls["n"] > 12 and (12, ids[1]) in dropped
     check_outputs(engine, llama, ids, prompts, 12)

@@ -1,0 +1,139 @@
+"""The engine's speculation, in one place: who drafts how many tokens in a round, through which drafter, and what
+the round's measurements teach the draft budget.
+
+Boundary: between the engine and its drafters. The engine schedules (``scheduler.py``), runs the packed forward
+(``runner.py``) and commits; this class sets each decoding request's draft limit before scheduling, chooses each
+drafting row's K after it (``hf_kvspec.speculative.draft_budget``, or every granted slot under ``"fixed"``), asks
+the drafter for the proposals (per-request sessions, ``drafting.py``, or the batched self-drafter,
+``self_drafting.py``) and turns them into verify rows (``speculation.py``); it hands the drafter each round's
+verdict and features, and forgets a request's drafter state when it leaves.
+
+Costs are shared: the engines of one model, forward kind, thread count and drafter type in a process keep one
+``draft_budget.Costs`` (``_COSTS``), so a new engine starts from what earlier ones measured.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from hf_kvspec.speculative.draft_budget import Candidate, Costs, DraftBudget
+
+from .drafting import Drafters, check_assistant, resolve_assistant
+from .request import Request
+from .scheduler import RoundPlan
+from .self_drafting import QuantizedSelfAssistant, SelfDrafters, check_self_drafting
+from .speculation import VerifyRow
+
+DRAFT_LENGTHS = ("goodput", "fixed")
+_COSTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {engine kind: measured Costs}
+
+
+def make_drafters(assistant, model, cache, runner, num_draft_tokens: int | None) -> Drafters | SelfDrafters:
+    """The engine's drafter for ``assistant`` (an ``Assistant`` or a spec string), refused by name if it cannot
+    run exactly inside the engine."""
+    assistant = resolve_assistant(assistant, model)
+    if isinstance(assistant, QuantizedSelfAssistant):
+        check_self_drafting(assistant, model, runner)
+        return SelfDrafters(assistant, cache, num_draft_tokens)
+    check_assistant(assistant, sliding=any(layer.is_sliding for layer in cache.layers))
+    pad = model.generation_config.pad_token_id
+    return Drafters(assistant, model, num_draft_tokens, pad if isinstance(pad, int) else 0)
+
+
+class RoundDrafts:
+    """Speculation of one engine (module docstring): its drafter and, under ``"goodput"``, its draft budget."""
+
+    def __init__(self, model, cache, runner, assistant, num_draft_tokens: int | None, draft_lengths: str):
+        if draft_lengths not in DRAFT_LENGTHS:
+            raise ValueError(f"draft_lengths must be 'goodput' (chosen per round from load) or 'fixed', got "
+                             f"{draft_lengths!r}.")
+        self.drafters = make_drafters(assistant, model, cache, runner, num_draft_tokens)
+        self.feature_layers = self.drafters.feature_layers
+        self.budget = None
+        if draft_lengths == "goodput":
+            self.budget = DraftBudget(shared_cost=self.drafters.shared_cost, costs=_costs(model, runner, self.drafters))
+
+    @property
+    def runs_target_outside(self) -> bool:
+        """Whether drafting may run the target's own forward outside the engine's attention (a draft model that is
+        the target): then the engine must not hold its attention switch across rounds."""
+        return not isinstance(self.drafters, SelfDrafters)
+
+    # ---- before and after scheduling ---------------------------------------------------------------------
+    def set_limits(self, running: list[Request]) -> None:
+        """Each running request's draft limit for the scheduler (0 unless it is decoding)."""
+        for request in running:
+            request.draft_limit = self.drafters.draft_limit(request) if request.is_decoding else 0
+
+    def draft(self, plan: RoundPlan) -> dict[int, VerifyRow]:
+        """The round's verify rows by row index: each drafting row's proposal of at most its chosen K. Under the
+        goodput choice a row at K = 0 takes the plain path (no entry); under ``"fixed"`` it verifies no drafts."""
+        lengths = self._lengths(plan)
+        asked = {index: count for index, count in lengths.items() if count > 0 or self.budget is None}
+        if not asked:
+            return {}
+        record = None if self.budget is None else (
+            self.budget.record_draft_step if self.drafters.shared_cost else self.budget.record_draft)
+        proposals = self.drafters.propose_rows([(plan.rows[i].request, count) for i, count in asked.items()], record)
+        return {index: VerifyRow(plan.rows[index].request, proposal) for index, proposal in zip(asked, proposals)}
+
+    def _lengths(self, plan: RoundPlan) -> dict[int, int]:
+        """Row index -> drafts to ask for: the slots granted (``"fixed"``), or the goodput choice."""
+        rows = {index: min(row.draft_tokens, row.request.draft_limit) for index, row in enumerate(plan.rows)
+                if row.samples and row.num_tokens == 1 and self.drafters.has_session(row.request)}
+        if self.budget is None or not rows:
+            return rows
+        candidates = [Candidate(plan.rows[i].request.request_id, count) for i, count in rows.items()]
+        base = sum(row.num_tokens for row in plan.rows)
+        chosen = self.budget.plan(base, sum(row.samples for row in plan.rows), candidates)
+        return {i: chosen[plan.rows[i].request.request_id] for i in rows}
+
+    # ---- what the round measured -------------------------------------------------------------------------
+    def record_forward(self, tokens: int, seconds: float) -> None:
+        if self.budget is not None:
+            self.budget.record_forward(tokens, seconds)
+
+    def record_verify_row(self, seconds: float) -> None:
+        if self.budget is not None:
+            self.budget.record_verify_row(seconds)
+
+    def record_verdict(self, request: Request, drafted: int, accepted: int) -> None:
+        if self.budget is not None:
+            self.budget.record_verdict(request.request_id, drafted, accepted)
+
+    # ---- the drafter's state per request ---------------------------------------------------------------
+    def keep(self, request: Request, verdict, verified: bool, num_tokens: int, features) -> None:
+        """A request that goes on after the round: its drafter sees the verdict (a plain row of a request with a
+        session is a round that drafted nothing), or its session begins. ``features`` [width, F] | None are the
+        row's columns; ``request.num_computed`` already counts what the cache kept."""
+        if verified:
+            path = None if features is None else features[verdict.kept][None]  # [1, 1 + k, F]
+            self.drafters.observe(request, request.num_computed, verdict.num_accepted, verdict.num_draft, path,
+                                  verdict.accepted_nodes)
+        elif self.drafters.has_session(request) and num_tokens == 1:
+            path = None if features is None else features[:1][None]  # [1, 1, F] the root's
+            self.drafters.observe(request, request.num_computed, 0, 0, path, torch.zeros(1, 0, dtype=torch.long))
+        else:
+            self.gather(request, features)
+            self.drafters.start(request)
+
+    def gather(self, request: Request, features) -> None:
+        """Features of prefill columns, kept until the request's session begins."""
+        self.drafters.gather(request, features)
+
+    def forget(self, request: Request) -> None:
+        """``request`` finished, was cancelled, preempted or failed: its drafter state and estimates go."""
+        self.drafters.drop(request)
+        if self.budget is not None:
+            self.budget.release([request.request_id])
+
+
+def _costs(model, runner, drafters) -> Costs:
+    """The measured forward and draft costs of this model, forward kind, thread count and drafter, shared with
+    earlier engines of the same kind in this process."""
+    drafter = drafters.assistant
+    key = (runner.fast is not None, runner.reference, torch.get_num_threads(), type(drafter).__name__,
+           getattr(drafter, "weights", None))
+    return _COSTS.setdefault(model, {}).setdefault(key, Costs())
