@@ -112,6 +112,13 @@ def check_spec(spec: str) -> tuple[str, int | Path | None]:
         return "sparse_kv", int(window) if window else None
     if spec == "lookahead" or spec.startswith("lookahead:"):  # LookaheadAssistant(W, N, G)
         return "lookahead", _lookahead_sizes(spec)
+    if spec.startswith("draft:"):
+        return _check_draft_spec(spec)
+    raise ValueError(f"Unknown assistant {spec!r}; use {ASSISTANT_HELP}")
+
+
+def _check_draft_spec(spec: str) -> tuple[str, int | Path]:
+    """``draft:truncated:<N>`` -> ``("truncated", N)``; ``draft:<dir>`` -> ``("draft", dir)``."""
     if spec.startswith("draft:truncated:"):
         layers = spec.removeprefix("draft:truncated:")
         if not layers.isdigit():
@@ -119,14 +126,12 @@ def check_spec(spec: str) -> tuple[str, int | Path | None]:
         if int(layers) < 1:
             raise ValueError(f"draft:truncated:<N> needs at least 1 layer, got {spec!r}")
         return "truncated", int(layers)
-    if spec.startswith("draft:"):
-        if not spec.removeprefix("draft:"):
-            raise ValueError("draft:<dir> needs the directory of a saved causal LM, e.g. draft:./my-draft")
-        path = Path(spec.removeprefix("draft:")).expanduser()
-        if not (path / "config.json").is_file():
-            raise ValueError(f"{spec}: not a model directory (no config.json); save one with save_pretrained()")
-        return "draft", path
-    raise ValueError(f"Unknown assistant {spec!r}; use {ASSISTANT_HELP}")
+    if not spec.removeprefix("draft:"):
+        raise ValueError("draft:<dir> needs the directory of a saved causal LM, e.g. draft:./my-draft")
+    path = Path(spec.removeprefix("draft:")).expanduser()
+    if not (path / "config.json").is_file():
+        raise ValueError(f"{spec}: not a model directory (no config.json); save one with save_pretrained()")
+    return "draft", path
 
 
 def default_draft_tokens(spec: str) -> int | str:

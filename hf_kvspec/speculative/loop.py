@@ -57,10 +57,9 @@ def speculative_generate(model, input_ids, logits_processor, stopping_criteria, 
                          synced_gpus: bool = False, **model_kwargs):
     """``custom_generate`` entry point: ``model.generate(..., custom_generate=speculative_generate, assistant=A)``.
 
-    ``generate`` has already built the processors, stopping criteria, attention mask and cache; this function
-    replaces only its decoding loop. Returns what ``generate`` returns (a ``SpeculativeGenerateOutput`` with
-    ``.acceptance`` when ``return_dict_in_generate=True``). ``assistant=None`` decodes plainly (one token per
-    round) through the same loop and forwards.
+    ``generate`` has built the processors, stopping criteria, mask and cache; this replaces its decoding loop and
+    returns what it returns (with ``.acceptance`` when ``return_dict_in_generate=True``). ``assistant=None``
+    decodes plainly (one token per round) through the same loop and forwards.
 
     ``fast_forward`` (default None: on for an fp32 Llama-family target on CPU whose layers are large enough for
     weight reads to bound a step, with a ``DynamicCache``): the target's prefill and verify forwards run
@@ -69,14 +68,10 @@ def speculative_generate(model, input_ids, logits_processor, stopping_criteria, 
     summation order (outputs may differ in the last bits, as with the decode kernels). ``False`` keeps the model's
     forward (the reference); ``True`` asks for it and raises naming why where it does not apply.
 
-    ``decode_kernels`` (default None: on for a target with fp32 weights on CPU, off elsewhere): runs the few-row
-    fp32 linear calls of the target and of the drafter's models (verify forwards, draft forwards) through the
-    fastest measured kernel (``hf_kvspec.kernels``): a weight packed once is read once per forward whatever its row
-    count, which is what makes verifying drafts cost about one decode step on a CPU. Same math in another summation
-    order (outputs may differ in the last bits); weight copies held beside the model within a memory budget,
-    reported with the kernel chosen per row bucket in ``output.acceptance.kernels``. The routing is scoped to this
-    call and thread (a ``TorchFunctionMode``); the model's modules are never changed. ``False`` keeps torch's stock
-    kernels (the reference) and never imports ``hf_kvspec.kernels``; ``True`` asks for them wherever they apply.
+    ``decode_kernels`` (default None: on for fp32 weights on CPU): the few-row fp32 linear calls of the drafter's
+    models (and of the target where the fast forward does not run it) go through the fastest measured kernel
+    (``hf_kvspec.kernels``; weight copies within a memory budget, reported in ``output.acceptance.kernels``; the
+    routing is scoped to this call and thread, the modules never change). ``False``: torch's stock kernels.
 
     ``call_attention`` (default None: on for a target running ``sdpa`` with grouped K/V heads): runs the call on
     ``kvspec_gqa``, which reads each K/V head once where sdpa copies it per query head under a mask (every verify
@@ -90,24 +85,29 @@ def speculative_generate(model, input_ids, logits_processor, stopping_criteria, 
     decoder = SpeculativeDecoder(model, assistant, logits_processor, stopping_criteria, generation_config,
                                  streamer=_compat.generate_call_streamer(), cache=model_kwargs.get("cache"),
                                  fast_forward=fast_forward)
-    forward = decoder.forward
     if decode_kernels is None:
         decode_kernels = kernels_apply(model)
     previous = _compat.attn_implementation(model.config)
     with switched_attention(model, call_attention, assistant.call_attention) as switched:
         decoder.stats.attention = f"{switched} (switched from {previous} for this call)" if switched else None
-        drafting = [module for module in assistant.kernel_modules() if isinstance(module, torch.nn.Module)]
-        routed = drafting if forward.name == "fast" else [model, *drafting]  # the fast forward packs its own
-        if not (decode_kernels and routed):
-            return decoder.run(input_ids, model_kwargs)
-        from hf_kvspec.kernels.linear import DecodeKernels, default_plans_file
+        return _run_with_kernels(decoder, decode_kernels, input_ids, model_kwargs)
 
-        with DecodeKernels(*routed, route_on_enter=False, plans_file=default_plans_file()) as kernels:
-            decoder.kernels = kernels
-            try:
-                return decoder.run(input_ids, model_kwargs)
-            finally:
-                decoder.stats.kernels = kernels.report()
+
+def _run_with_kernels(decoder: SpeculativeDecoder, decode_kernels: bool, input_ids, model_kwargs: dict):
+    """``decoder.run`` with the decode kernels routing the linear calls of the drafter's modules (and of the target,
+    unless the fast forward runs it: that packs its own weights), when they are on."""
+    drafting = [module for module in decoder.assistant.kernel_modules() if isinstance(module, torch.nn.Module)]
+    routed = drafting if decoder.forward.name == "fast" else [decoder.model, *drafting]
+    if not (decode_kernels and routed):
+        return decoder.run(input_ids, model_kwargs)
+    from hf_kvspec.kernels.linear import DecodeKernels, default_plans_file
+
+    with DecodeKernels(*routed, route_on_enter=False, plans_file=default_plans_file()) as kernels:
+        decoder.kernels = kernels
+        try:
+            return decoder.run(input_ids, model_kwargs)
+        finally:
+            decoder.stats.kernels = kernels.report()
 
 
 def call_forward(model, assistant: Assistant, cache, fast: bool | None):
