@@ -77,3 +77,17 @@ def test_a_request_at_zero_drafts_takes_the_plain_path(llama):
     assert assistant.calls == 0  # never asked
     assert all(output.metrics.num_speculative_rounds == 0 for output in engine.outputs)  # no verify row either
     assert all(r.num_draft_tokens == 0 and r.num_output_tokens == r.num_sampled for r in engine.stats.rounds)
+
+
+def test_engines_of_one_model_and_drafter_share_what_they_measured(llama):
+    from hf_kvspec.speculative.drafters.ngram import NgramAssistant
+
+    first = Engine(llama, kv_budget=32, assistant=NgramAssistant())
+    second = Engine(llama, kv_budget=32, assistant="ngram")
+    fixed = Engine(llama, kv_budget=32, assistant="ngram", draft_lengths="fixed")
+    other = Engine(llama, kv_budget=32, assistant=type("OtherDrafter", (KnownContinuation,), {})([]))
+    assert first.drafts.budget.costs is second.drafts.budget.costs  # the second explores nothing again
+    assert other.drafts.budget.costs is not first.drafts.budget.costs and fixed.drafts.budget is None
+    assert first.drafts.budget.requests is not second.drafts.budget.requests  # acceptance stays per engine
+    with pytest.raises(ValueError, match="draft_lengths must be 'goodput'"):
+        Engine(llama, kv_budget=32, assistant="ngram", draft_lengths="auto")
