@@ -2,8 +2,8 @@
 the round's measurements teach the draft budget.
 
 Boundary: between the engine and its drafters. The engine schedules (``scheduler.py``), runs the packed forward
-(``runner.py``) and commits; this class sets each decoding request's draft limit before scheduling, chooses each
-drafting row's K after it (``hf_kvspec.speculative.draft_budget``, or every granted slot under ``"fixed"``), asks
+(``runner.py``) and commits; this class chooses each decoding request's K before scheduling, as its draft limit
+(``hf_kvspec.speculative.draft_budget``, or ``num_draft_tokens`` under ``"fixed"``), asks
 the drafter for the proposals (per-request sessions, ``drafting.py``, or the batched self-drafter,
 ``self_drafting.py``) and turns them into verify rows (``speculation.py``); it hands the drafter each round's
 verdict and features, and forgets a request's drafter state when it leaves.
@@ -63,9 +63,18 @@ class RoundDrafts:
 
     # ---- before and after scheduling ---------------------------------------------------------------------
     def set_limits(self, running: list[Request]) -> None:
-        """Each running request's draft limit for the scheduler (0 unless it is decoding)."""
+        """Each running request's draft limit for the scheduler: its K for this round (0 unless it is decoding with
+        a drafter). Under the goodput choice K is planned here, before scheduling, for a round of the decoding
+        requests' tokens: a request at K = 0 reserves no draft slots, and its row takes the plain path."""
+        decoding = [r for r in running if r.is_decoding and self.drafters.has_session(r)]
         for request in running:
-            request.draft_limit = self.drafters.draft_limit(request) if request.is_decoding else 0
+            request.draft_limit = 0
+        limits = {r.request_id: self.drafters.draft_limit(r) for r in decoding}
+        if self.budget is not None and decoding:
+            steps = sum(r.is_decoding for r in running)  # the round's sure tokens, one per decoding request
+            limits = self.budget.plan(steps, steps, [Candidate(r.request_id, limits[r.request_id]) for r in decoding])
+        for request in decoding:
+            request.draft_limit = limits[request.request_id]
 
     def draft(self, plan: RoundPlan) -> dict[int, VerifyRow]:
         """The round's verify rows by row index: each drafting row's proposal of at most its chosen K. Under the
@@ -77,18 +86,19 @@ class RoundDrafts:
         record = None if self.budget is None else (
             self.budget.record_draft_step if self.drafters.shared_cost else self.budget.record_draft)
         proposals = self.drafters.propose_rows([(plan.rows[i].request, count) for i, count in asked.items()], record)
-        return {index: VerifyRow(plan.rows[index].request, proposal) for index, proposal in zip(asked, proposals)}
+        verify = {}
+        for index, proposal in zip(asked, proposals):
+            request = plan.rows[index].request
+            if self.budget is not None and proposal.tokens.shape[1] == 0:  # asked, found nothing (an n-gram miss):
+                self.budget.record_verdict(request.request_id, 1, 0)  # as good as a rejected draft; a plain row
+                continue
+            verify[index] = VerifyRow(request, proposal)
+        return verify
 
     def _lengths(self, plan: RoundPlan) -> dict[int, int]:
-        """Row index -> drafts to ask for: the slots granted (``"fixed"``), or the goodput choice."""
-        rows = {index: min(row.draft_tokens, row.request.draft_limit) for index, row in enumerate(plan.rows)
+        """Row index -> drafts to ask for: the slots granted, at most the request's limit (``set_limits``)."""
+        return {index: min(row.draft_tokens, row.request.draft_limit) for index, row in enumerate(plan.rows)
                 if row.samples and row.num_tokens == 1 and self.drafters.has_session(row.request)}
-        if self.budget is None or not rows:
-            return rows
-        candidates = [Candidate(plan.rows[i].request.request_id, count) for i, count in rows.items()]
-        base = sum(row.num_tokens for row in plan.rows)
-        chosen = self.budget.plan(base, sum(row.samples for row in plan.rows), candidates)
-        return {i: chosen[plan.rows[i].request.request_id] for i in rows}
 
     # ---- what the round measured -------------------------------------------------------------------------
     def record_forward(self, tokens: int, seconds: float) -> None:
