@@ -63,10 +63,12 @@ def _bucket(tokens: int) -> int:
 
 class ForwardCost:
     """``f(T)``: seconds of a packed forward of T tokens, per power-of-two bucket of T, learned from the rounds
-    (decayed mean of (T, seconds) per bucket, linear between measured buckets, the prior curve's shape beyond)."""
+    (decayed mean of (T, seconds) per bucket, linear between measured buckets; beyond them the prior curve's shape,
+    or, ``proportional``, a cost proportional to T past the largest measured: the pessimistic shape of a forward
+    that is compute-bound, as the int8 draft forward is past 2-3 rows)."""
 
-    def __init__(self, decay: float = DECAY):
-        self.decay = decay
+    def __init__(self, decay: float = DECAY, proportional: bool = False):
+        self.decay, self.proportional = decay, proportional
         self.buckets: dict[int, list[float]] = {}  # bucket -> decayed [weight, sum T, sum seconds]
         self._points: list[tuple[float, float]] = []
 
@@ -89,6 +91,8 @@ class ForwardCost:
             if t0 <= tokens <= t1:
                 return s0 + (s1 - s0) * (tokens - t0) / max(t1 - t0, 1e-9)
         t_near, s_near = points[0] if tokens < points[0][0] else points[-1]
+        if self.proportional and tokens > t_near:
+            return s_near * tokens / t_near
         return s_near * prior(tokens) / prior(t_near)
 
 
@@ -118,7 +122,7 @@ class Costs:
     def __init__(self, decay: float = DECAY):
         self.forward = ForwardCost(decay)  # f(T): the target's packed forward of T tokens
         self.draft_time = _Decayed(decay)  # x = drafts of one request's call, y = seconds
-        self.step = ForwardCost(decay)  # shared drafting: seconds of one draft depth's forward of n rows
+        self.step = ForwardCost(decay, proportional=True)  # shared drafting: one draft depth's forward of n rows
         self.untimed_drafts = 1  # draft calls still to skip (the first pays one-time costs)
         self.verify_row = _Decayed(decay)  # y = seconds of one verify row's acceptance (scores, verdict)
 

@@ -87,6 +87,10 @@ def test_the_forward_cost_interpolates_between_buckets_and_follows_the_prior_bey
     assert cost(1) == pytest.approx(0.030) and cost(8) == pytest.approx(0.050)
     assert cost(4) == pytest.approx(0.030 + 0.020 * 3 / 7)
     assert cost(32) == pytest.approx(0.050 * draft_budget.prior(32) / draft_budget.prior(8))
+    compute_bound = ForwardCost(decay=1.0, proportional=True)  # the draft forward's curve: linear past the data
+    compute_bound.record(2, 0.020)
+    assert compute_bound(8) == pytest.approx(0.080) and compute_bound(1) == pytest.approx(0.020 * draft_budget.prior(1)
+                                                                                            / draft_budget.prior(2))
 
 
 def test_acceptance_starts_from_the_pooled_estimate_and_follows_the_request():
