@@ -270,8 +270,7 @@ class RaggedPagedCache(Cache):
 
     def update(self, key_states, value_states, layer_idx: int, *args, kwargs: dict | None = None, **_):
         """Scatter the packed new K/V ``[1, Hkv, T, D]`` of layer ``layer_idx``; hand the layout to attention."""
-        if self._forward is None:
-            raise RuntimeError("RaggedPagedCache is written by the serving engine: call begin_forward() first.")
+        self._open_forward()
         if kwargs is None:
             raise ValueError(f"RaggedPagedCache needs attn_implementation={RAGGED_ATTN_NAME!r} (the serving engine "
                              "switches the model to it for each forward).")
@@ -279,13 +278,17 @@ class RaggedPagedCache(Cache):
         stored_kv.hand_over(kwargs, view, self._config, "RaggedPagedCache")  # always paired with kvspec_ragged
         return keys, values
 
+    def _open_forward(self) -> tuple[list[RaggedRow], torch.Tensor, RaggedKV]:
+        """The open forward's (rows, slots, layout), or the error naming ``begin_forward``."""
+        if self._forward is None:
+            raise RuntimeError("RaggedPagedCache is written by the serving engine: call begin_forward() first.")
+        return self._forward
+
     def write_layer(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int):
         """``update`` without the hand-over to ``kvspec_ragged``: scatter the packed new K/V ``[1, Hkv, T, D]``
         and return ``(keys, values, layout)`` to a caller that attends itself (the fast forward's
         ``RaggedAttend``, which needs no switch of the model's attention)."""
-        if self._forward is None:
-            raise RuntimeError("RaggedPagedCache is written by the serving engine: call begin_forward() first.")
-        _, slots, view = self._forward
+        _, slots, view = self._open_forward()
         layer = self.layers[layer_idx]
         if not layer.is_initialized:
             layer.lazy_initialization(key_states, value_states)

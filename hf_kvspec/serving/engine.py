@@ -47,7 +47,7 @@ from hf_kvspec.cache.ragged import RaggedPagedCache
 from .attention import register_ragged_attention
 from .prompts import Prompt, check_vocabulary, make_settings, prompt_ids, settings_from_generation_config
 from .request import FinishReason, Request, RequestDelta, RequestFailedError, RequestOutput, RequestTooLongError
-from .round_drafts import DRAFT_LENGTHS, RoundDrafts
+from .round_drafts import RoundDrafts, check_draft_lengths
 from .runner import ForwardRow, ForwardRunner
 from .sampling import finish_reason, next_token
 from .scheduler import RoundPlan, ScheduledRow, Scheduler, SchedulingPolicy
@@ -122,8 +122,9 @@ class Engine:
         self._cancelled: list[RequestDelta] = []
         self.failed_round: tuple[int, ...] = ()  # request ids of the last round that raised (a server fails them)
         self._max_positions = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
-        self.drafts = None if assistant is None and draft_lengths in DRAFT_LENGTHS else RoundDrafts(
-            model, self.cache, self.runner, assistant, num_draft_tokens, draft_lengths)  # speculation, if any
+        check_draft_lengths(draft_lengths)
+        self.drafts = None if assistant is None else RoundDrafts(  # speculation, if any
+            model, self.cache, self.runner, assistant, num_draft_tokens, draft_lengths)
 
     @property
     def vocab_size(self) -> int:

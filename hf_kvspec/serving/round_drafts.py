@@ -19,23 +19,30 @@ import weakref
 import torch
 
 from hf_kvspec.speculative.draft_budget import Candidate, Costs, DraftBudget
+from hf_kvspec.speculative.drafters.quantized_self import QuantizedSelfAssistant
 
 from .drafting import Drafters, check_assistant, resolve_assistant
 from .request import Request
 from .scheduler import RoundPlan
-from .self_drafting import QuantizedSelfAssistant, SelfDrafters, check_self_drafting
+from .self_drafting import SelfDrafters, check_self_drafting
 from .speculation import VerifyRow
 
 DRAFT_LENGTHS = ("goodput", "fixed")
 _COSTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {engine kind: measured Costs}
 
 
-def make_drafters(assistant, model, cache, runner, num_draft_tokens: int | None) -> Drafters | SelfDrafters:
+def check_draft_lengths(draft_lengths) -> None:
+    if draft_lengths not in DRAFT_LENGTHS:
+        raise ValueError(f"draft_lengths must be 'goodput' (chosen per round from load) or 'fixed', got "
+                         f"{draft_lengths!r}.")
+
+
+def make_drafters(assistant, model, cache, num_draft_tokens: int | None) -> Drafters | SelfDrafters:
     """The engine's drafter for ``assistant`` (an ``Assistant`` or a spec string), refused by name if it cannot
     run exactly inside the engine."""
     assistant = resolve_assistant(assistant, model)
     if isinstance(assistant, QuantizedSelfAssistant):
-        check_self_drafting(assistant, model, runner)
+        check_self_drafting(assistant, model)
         return SelfDrafters(assistant, cache, num_draft_tokens)
     check_assistant(assistant, sliding=any(layer.is_sliding for layer in cache.layers))
     pad = model.generation_config.pad_token_id
@@ -46,10 +53,8 @@ class RoundDrafts:
     """Speculation of one engine (module docstring): its drafter and, under ``"goodput"``, its draft budget."""
 
     def __init__(self, model, cache, runner, assistant, num_draft_tokens: int | None, draft_lengths: str):
-        if draft_lengths not in DRAFT_LENGTHS:
-            raise ValueError(f"draft_lengths must be 'goodput' (chosen per round from load) or 'fixed', got "
-                             f"{draft_lengths!r}.")
-        self.drafters = make_drafters(assistant, model, cache, runner, num_draft_tokens)
+        check_draft_lengths(draft_lengths)
+        self.drafters = make_drafters(assistant, model, cache, num_draft_tokens)
         self.feature_layers = self.drafters.feature_layers
         self.budget = None
         if draft_lengths == "goodput":

@@ -37,10 +37,8 @@ from hf_kvspec.speculative.drafters.quantized_self import QuantizedSelfAssistant
 from .attention import RaggedAttend
 from .request import Request
 
-__all__ = ["QuantizedSelfAssistant", "SelfDrafters", "check_self_drafting"]
 
-
-def check_self_drafting(assistant: QuantizedSelfAssistant, model, runner) -> None:
+def check_self_drafting(assistant: QuantizedSelfAssistant, model) -> None:
     """Refuse, by name, a self-drafter the engine cannot run: one built for another model."""
     if assistant.target is not model:
         raise ValueError("QuantizedSelfAssistant drafts from a copy of the model it was built with; build it on "
@@ -67,7 +65,6 @@ class SelfDrafters:
             raise ValueError(f"num_draft_tokens must be a non-negative int, got {size!r}.")
         self.assistant, self.cache, self.num_draft_tokens = assistant, cache, size
         self.forward = assistant.forward  # the quantized copy's fast forward
-        self.model = assistant.target
 
     # ---- the engine's drafter interface (as ``drafting.Drafters``) ----------------------------------------
     def has_session(self, request: Request) -> bool:

@@ -7,11 +7,12 @@ request. No tensors, no models, no requests.
 
 Model. A packed forward of T tokens costs ``f(T)`` seconds (``ForwardCost``, learned from the rounds themselves).
 Drafting K tokens for one request costs ``d(K) = a + b K`` seconds (a decayed least-squares line over the
-assistant's timed draft calls, proportional to K while one length was seen; 0 until one was timed); a drafter that drafts for every request in one call
-(``shared_cost``: the engine's self-drafting, one packed forward per depth) costs ``sum_j g(n_j)`` per round,
-``n_j`` the requests drafting at depth j and ``g`` the draft forward's own measured curve over rows. A request whose drafts are accepted one after another with
-probability ``alpha`` (i.i.d., Leviathan et al. arXiv 2211.17192) emits ``E(K) = sum_{k=0..K} alpha^k`` tokens, so
-its k-th draft adds ``alpha^k``. A round with base tokens ``T0`` (decode and prefill rows) and ``S`` sampling rows
+assistant's timed draft calls, proportional to K while one length was seen; 0 until one was timed); a drafter
+that drafts for every request in one call (``shared_cost``: the engine's self-drafting, one packed forward per
+depth) costs ``sum_j g(n_j)`` per round, ``n_j`` the requests drafting at depth j and ``g`` the draft forward's
+own measured curve over rows. A request whose drafts are accepted one after another with probability ``alpha``
+(i.i.d., Leviathan et al. arXiv 2211.17192) emits ``E(K) = sum_{k=0..K} alpha^k`` tokens, so its k-th draft adds
+``alpha^k``. A round with base tokens ``T0`` (decode and prefill rows) and ``S`` sampling rows
 has goodput (the next token of every sampling row, plus the accepted drafts)
 
     G = (S + sum_i (E_i(K_i) - 1)) / (f(T0 + sum_i K_i) + sum_{i: K_i > 0} (d_i(K_i) + v))
@@ -138,14 +139,6 @@ class DraftBudget:
         self.requests: dict[int, list[float]] = {}  # request id -> decayed [accepted, rejected]
         self.idle: dict[int, int] = {}  # request id -> rounds at K = 0 since its last draft
 
-    @property
-    def untimed_drafts(self) -> int:
-        return self.costs.untimed_drafts
-
-    @untimed_drafts.setter
-    def untimed_drafts(self, value: int) -> None:
-        self.costs.untimed_drafts = value
-
     # ---- measurements ----------------------------------------------------------------------------------
     def record_forward(self, tokens: int, seconds: float) -> None:
         self.forward_cost.record(tokens, seconds)
@@ -154,18 +147,21 @@ class DraftBudget:
         """One request's draft call: ``drafts`` tokens proposed in ``seconds`` (``shared_cost``: the round's one
         draft call, ``drafts`` its deepest request's length). The first call is not counted: it pays one-time
         costs (first allocations, a drafter's lazy set-up) that no later call pays."""
-        if self.untimed_drafts:
-            self.untimed_drafts -= 1
-            return
-        self.draft_time.add(drafts, seconds)
+        if self._timed():
+            self.draft_time.add(drafts, seconds)
 
     def record_draft_step(self, rows: int, seconds: float) -> None:
         """``shared_cost``: one draft depth's packed forward over ``rows`` requests took ``seconds`` (the first
         is not counted, as in ``record_draft``)."""
-        if self.untimed_drafts:
-            self.untimed_drafts -= 1
-            return
-        self.step_cost.record(rows, seconds)
+        if self._timed():
+            self.step_cost.record(rows, seconds)
+
+    def _timed(self) -> bool:
+        """Whether this draft measurement counts (False for the first ``Costs.untimed_drafts`` of them)."""
+        if self.costs.untimed_drafts:
+            self.costs.untimed_drafts -= 1
+            return False
+        return True
 
     def record_verify_row(self, seconds: float) -> None:
         """One drafting request's acceptance work (processed scores at every node, the verdict): what a row that
@@ -241,19 +237,24 @@ class DraftBudget:
         gains = sorted(((self.alpha(c.request_id) ** k, c.request_id, k)
                         for c in candidates for k in range(1, c.max_drafts + 1)), reverse=True)
         lengths = dict.fromkeys((c.request_id for c in candidates), 0)
-        most = sum(c.max_drafts for c in candidates)
-        self._forward_s = [self.forward_cost(base_tokens + m) for m in range(most + 1)]  # f(T0 + m), m drafts
-        self._draft_s = [self.draft_seconds(k) for k in range(max((c.max_drafts for c in candidates), default=0) + 1)]
-        self._step_s = [self.draft_step_seconds(n) for n in range(len(candidates) + 1)] if self.shared_cost else []
+        tables = self._tables(base_tokens, candidates)
         best, chosen = -1.0, []
         for allowed in self._subsets(gains, candidates):
-            m, goodput = self._best_prefix(allowed, base_tokens, sampling_rows, lengths)
+            m, goodput = self._best_prefix(allowed, tables, sampling_rows, lengths)
             if goodput > best:
                 best, chosen = goodput, allowed[:m]
         for _, request_id, _ in chosen:
             lengths[request_id] += 1
         self._probe(lengths, candidates, base_tokens, sampling_rows, best)
         return lengths
+
+    def _tables(self, base_tokens: int, candidates: Sequence[Candidate]) -> tuple[list, list, list]:
+        """This round's costs, looked up once: ``f(T0 + m)`` for m drafts, ``d(k)`` per request's k, and (shared)
+        ``g(n)`` for a depth over n rows."""
+        forward_s = [self.forward_cost(base_tokens + m) for m in range(sum(c.max_drafts for c in candidates) + 1)]
+        draft_s = [self.draft_seconds(k) for k in range(max((c.max_drafts for c in candidates), default=0) + 1)]
+        step_s = [self.draft_step_seconds(n) for n in range(len(candidates) + 1)] if self.shared_cost else []
+        return forward_s, draft_s, step_s
 
     def _subsets(self, gains, candidates: Sequence[Candidate]):
         """The gain lists the prefix walk runs over. Fixed costs (a verify row's acceptance work, a draft call's
@@ -270,9 +271,10 @@ class DraftBudget:
             kept = set(ranked[:count])
             yield [g for g in gains if g[1] in kept]
 
-    def _best_prefix(self, gains, base_tokens: int, sampling_rows: int, lengths: dict[int, int]):
-        """(m, goodput) of the best prefix of ``gains`` (marginal gain, request id, k), largest first."""
-        forward_s, draft_s, step_s = self._forward_s, self._draft_s, self._step_s  # this round's tables (``plan``)
+    def _best_prefix(self, gains, tables: tuple[list, list, list], sampling_rows: int, lengths: dict[int, int]):
+        """(m, goodput) of the best prefix of ``gains`` (marginal gain, request id, k), largest first, with this
+        round's cost ``tables`` (``_tables``)."""
+        forward_s, draft_s, step_s = tables
         row_s = self.verify_row_seconds()
         tokens, seconds_drafting, counts = float(sampling_rows), 0.0, dict(lengths)
         at_depth = [0] * (len(draft_s) + 1)  # shared: requests drafting at each depth
@@ -308,9 +310,8 @@ class DraftBudget:
             if idle < PROBE_EVERY or probe <= 0:
                 continue
             drafted = sum(lengths.values()) + probe
-            alpha = self.alpha(request_id)
-            tokens = sampling_rows + sum(self._expected(r, k) for r, k in lengths.items()) + alpha * (
-                1 - alpha**probe) / (1 - alpha)
+            tokens = sampling_rows + sum(self._expected(r, k) for r, k in lengths.items()) + self._expected(
+                request_id, probe)
             seconds = self.forward_cost(base_tokens + drafted) + self.round_draft_seconds([*lengths.values(), probe])
             if tokens / max(seconds, 1e-9) >= (1 - PROBE_LOSS) * best:
                 lengths[request_id], self.idle[request_id] = probe, 0

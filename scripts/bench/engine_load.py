@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import itertools
 
-from bench.engine import Trace, arrival_times, hf_config, percentile, run_engine, run_hf
+from bench.engine import Trace, arrival_times, hf_config, percentile, run_engine, run_hf, summarize
 from bench.harness import Report, load_average, save_plot
 
 COLUMNS = ["kind", "load", "system", "completed", "output_tokens", "tok_per_s", "speedup", "vs_hf", "k_mean",
@@ -64,14 +64,10 @@ def tpot(trace: Trace) -> float | None:
 
 
 def figures(traces: list[Trace]) -> dict:
-    done = [t for t in traces if t.token_times]
-    tokens = sum(len(t.output_ids) for t in traces)
-    seconds = max(t.token_times[-1] for t in done) - min(t.arrival for t in traces) if done else 0.0
-    ttft = [t.token_times[0] - t.arrival for t in done]
-    per_token = [p for p in map(tpot, done) if p is not None]
-    return {"completed": len(done), "output_tokens": tokens, "tok_per_s": round(tokens / seconds, 2) if seconds else None,
-            "ttft_p50": percentile(ttft, 0.5), "ttft_p99": percentile(ttft, 0.99),
-            "tpot_p50": percentile(per_token, 0.5), "tpot_p99": percentile(per_token, 0.99)}
+    """``engine.summarize``'s throughput and TTFT, with TPOT p50/p99 in place of the inter-token gaps."""
+    per_token = [p for p in map(tpot, traces) if p is not None]
+    summary = {k: v for k, v in summarize(traces).items() if not k.startswith("itl")}
+    return {**summary, "tpot_p50": percentile(per_token, 0.5), "tpot_p99": percentile(per_token, 0.99)}
 
 
 def speculation(engine) -> dict:

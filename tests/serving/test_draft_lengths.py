@@ -91,3 +91,12 @@ def test_engines_of_one_model_and_drafter_share_what_they_measured(llama):
     assert first.drafts.budget.requests is not second.drafts.budget.requests  # acceptance stays per engine
     with pytest.raises(ValueError, match="draft_lengths must be 'goodput'"):
         Engine(llama, kv_budget=32, assistant="ngram", draft_lengths="auto")
+
+
+def test_a_self_drafter_built_on_another_model_is_refused_by_name(llama):
+    from hf_kvspec.speculative.drafters.quantized_self import QuantizedSelfAssistant
+
+    other = tiny_model("llama")
+    with pytest.raises(ValueError, match="build it on the engine's model"):
+        Engine(llama, kv_budget=32, assistant=QuantizedSelfAssistant(other, "int8"))
+    assert Engine(llama, kv_budget=32, assistant=QuantizedSelfAssistant(llama, "int8")).drafts.drafters.shared_cost

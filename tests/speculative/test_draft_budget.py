@@ -23,7 +23,7 @@ def _budget(curve, alphas, draft_s=None, shared=False, verify_row=0.003) -> Draf
         budget.record_draft(k, draft_s(k) if draft_s else 0.0)
     budget.record_verify_row(verify_row)  # each drafting request's acceptance work
     if shared:  # one depth's forward over n rows: the first is not counted either
-        budget.untimed_drafts = 1
+        budget.costs.untimed_drafts = 1
         for rows in (1, 1, 2, 3, 4, 6, 8):
             budget.record_draft_step(rows, draft_s(rows))
     return budget
