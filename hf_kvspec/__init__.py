@@ -63,6 +63,8 @@ _EXPORTS: dict[str, str] = {
     "RoundOutcome": "hf_kvspec.speculative.drafters.base",
     "DraftModelAssistant": "hf_kvspec.speculative.drafters.draft_model",
     "NgramAssistant": "hf_kvspec.speculative.drafters.ngram",
+    "SuffixAssistant": "hf_kvspec.speculative.drafters.suffix",
+    "SuffixPool": "hf_kvspec.speculative.suffix_pool",
     "QuantizedSelfAssistant": "hf_kvspec.speculative.drafters.quantized_self",
     "LookaheadAssistant": "hf_kvspec.speculative.drafters.lookahead",
     "MedusaAssistant": "hf_kvspec.speculative.drafters.medusa",

@@ -59,6 +59,11 @@ def resolve_assistant(assistant, model):
 
     if assistant in HEAD_ASSISTANTS:
         return make_head_assistant(assistant, model)
+    if assistant == "suffix":  # the engine's pool keeps unsalted requests apart (``suffix_drafting.py``)
+        from hf_kvspec.speculative.drafters.suffix import SuffixAssistant
+        from hf_kvspec.speculative.suffix_pool import SuffixPool
+
+        return SuffixAssistant(pool=SuffixPool())
     return make_assistant(assistant, model)
 
 

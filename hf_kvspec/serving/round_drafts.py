@@ -20,12 +20,14 @@ import torch
 
 from hf_kvspec.speculative.draft_budget import Candidate, Costs, DraftBudget
 from hf_kvspec.speculative.drafters.quantized_self import QuantizedSelfAssistant
+from hf_kvspec.speculative.drafters.suffix import SuffixAssistant
 
 from .drafting import Drafters, check_assistant, resolve_assistant
 from .request import Request
 from .scheduler import RoundPlan
 from .self_drafting import SelfDrafters, check_self_drafting
 from .speculation import VerifyRow
+from .suffix_drafting import SuffixDrafters
 
 DRAFT_LENGTHS = ("goodput", "fixed")
 _COSTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {engine kind: measured Costs}
@@ -41,6 +43,8 @@ def make_drafters(assistant, model, cache, num_draft_tokens: int | None) -> Draf
     """The engine's drafter for ``assistant`` (an ``Assistant`` or a spec string), refused by name if it cannot
     run exactly inside the engine."""
     assistant = resolve_assistant(assistant, model)
+    if isinstance(assistant, SuffixAssistant):
+        return SuffixDrafters(assistant, num_draft_tokens)
     if isinstance(assistant, QuantizedSelfAssistant):
         check_self_drafting(assistant, model)
         return SelfDrafters(assistant, cache, num_draft_tokens)
@@ -64,7 +68,7 @@ class RoundDrafts:
     def runs_target_outside(self) -> bool:
         """Whether drafting may run the target's own forward outside the engine's attention (a draft model that is
         the target): then the engine must not hold its attention switch across rounds."""
-        return not isinstance(self.drafters, SelfDrafters)
+        return isinstance(self.drafters, Drafters)
 
     # ---- before and after scheduling ---------------------------------------------------------------------
     def set_limits(self, running: list[Request]) -> None:

@@ -3,6 +3,9 @@
 Boundary: maps names to drafter constructors; knows nothing about the decode loop.
 
     ngram                   NgramAssistant(max_ngram=3)
+    suffix                  SuffixAssistant(): drafts from a pool of the rows' own text and everything the assistant
+                            saw before (trees of the most frequent continuations; in the engine one pool per
+                            engine, each request reading its own salt's tenant)
     draft:<dir>             DraftModelAssistant(AutoModelForCausalLM.from_pretrained(<dir>)): a causal LM directory
                             with the target's tokenizer
     draft:truncated:<N>     DraftModelAssistant(truncated_draft(target, N)): the target's first N layers + final
@@ -31,7 +34,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-ASSISTANT_HELP = ("ngram | self-int8 | self-int4 | draft:<causal LM dir> | draft:truncated:<N layers of the target> | "
+ASSISTANT_HELP = ("ngram | suffix | self-int8 | self-int4 | draft:<causal LM dir> | draft:truncated:<N layers of the target> | "
                   "early_exit[:E] | layer_skip | sparse_kv[:window] | lookahead[:W[:N[:G]]]")
 HEAD_ASSISTANTS = ("medusa", "eagle")
 TREES = ("default", "small", "chain", "dynamic")
@@ -94,8 +97,8 @@ def check_spec(spec: str) -> tuple[str, int | Path | None]:
     """
     if not isinstance(spec, str):
         raise TypeError(f"spec must be a string: ngram | draft:<dir> | draft:truncated:<N>, got {type(spec).__name__}")
-    if spec == "ngram":
-        return "ngram", None
+    if spec in ("ngram", "suffix"):
+        return spec, None
     if spec == "layer_skip":  # LayerSkipAssistant("search"): the skip set measured on the first prompt
         return "layer_skip", None
     if spec in ("self-int8", "self-int4"):  # QuantizedSelfAssistant(target, weights="int8" | "int4")
@@ -138,10 +141,10 @@ def default_draft_tokens(spec: str) -> int | str:
     """K a spec's assistant gets when none is asked for (``hf-kvspec generate --assistant SPEC`` without
     ``--num-draft-tokens``, the benchmarks' defaults): Lookahead sizes its own rounds; a quantized copy of the
     target agrees with it so often that long chains pay (measured on the bundled model: tau ~7.5 of 8 for int8);
-    4 otherwise."""
+    the suffix pool cuts each draft to what its counts support, so it is given room (8 nodes); 4 otherwise."""
     if spec.startswith("lookahead"):
         return "auto"
-    return {"self-int8": 8, "self-int4": 6}.get(spec, 4)
+    return {"self-int8": 8, "self-int4": 6, "suffix": 8}.get(spec, 4)
 
 
 def default_assistant(spec: str, target):
@@ -165,6 +168,10 @@ def make_assistant(spec: str, target, num_draft_tokens: int | str = 4):
                         f"{type(target).__name__}.")
     if kind == "ngram":
         return NgramAssistant(max_ngram=3, num_draft_tokens=num_draft_tokens)
+    if kind == "suffix":
+        from hf_kvspec.speculative.drafters.suffix import SuffixAssistant
+
+        return SuffixAssistant(num_draft_tokens=8 if num_draft_tokens == "auto" else num_draft_tokens)
     if kind == "lookahead":
         from hf_kvspec.speculative.drafters.lookahead import LookaheadAssistant
 

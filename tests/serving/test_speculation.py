@@ -23,6 +23,8 @@ from hf_kvspec.speculative.drafters.eagle import EagleAssistant
 from hf_kvspec.speculative.drafters.medusa import MedusaAssistant
 from hf_kvspec.speculative.drafters.ngram import NgramAssistant
 from hf_kvspec.speculative.drafters.quantized_self import QuantizedSelfAssistant
+from hf_kvspec.speculative.drafters.suffix import SuffixAssistant
+from hf_kvspec.speculative.suffix_pool import SuffixPool
 from tests.tiny_models import tiny_model
 
 from .helpers import assert_pool_full, greedy_reference, random_prompts, run_to_end, run_with_arrivals
@@ -82,6 +84,8 @@ def make_assistant(kind, target):
         return OracleTree(target)
     if kind == "self_int8":  # batched self-drafting from an int8 copy, on the engine's own paged cache
         return QuantizedSelfAssistant(target, "int8")
+    if kind in ("suffix", "suffix_chain"):  # the engine's pool: trees of the most frequent continuations, or chains
+        return SuffixAssistant(pool=SuffixPool(share_unsalted=True), tree=kind == "suffix", min_prob=0.05)
     if kind == "eagle":
         head = _random(EagleHead(EagleConfig.for_base_model(target, "tiny")), 2, 0.2)
         return EagleAssistant(head, depth=3, top_k=2, total_tokens=6, num_draft_tokens=None, draft_vocab_size=None)
@@ -90,7 +94,7 @@ def make_assistant(kind, target):
                            draft_vocab_size=None)
 
 
-DRAFTERS = ["ngram", "draft_model", "oracle_tree", "eagle", "medusa", "self_int8"]
+DRAFTERS = ["ngram", "draft_model", "oracle_tree", "eagle", "medusa", "self_int8", "suffix", "suffix_chain"]
 
 
 def check_outputs(engine, model, ids, prompts, max_new) -> list:

@@ -1,0 +1,105 @@
+"""Suffix drafting inside the engine: one pool for every request of the engine, each request reading and writing
+its own tenant (its salt), all lookups of a round in one pass.
+
+Boundary: the requests' text in the ``SuffixPool`` (``hf_kvspec.speculative.suffix_pool``) and the round's
+proposals. Which requests draft how many tokens is the draft budget's (``draft_budget.py``); verifying and keeping
+is the round's (``speculation.py``, ``engine.py``).
+
+A request's text enters the pool when it starts decoding and grows with every round it drafts in; when it finishes
+(or is cancelled, preempted, fails) it stays as history of its tenant: later requests with the same salt draft from
+it. Unsalted requests draft from their own text only, unless the pool was built with ``share_unsalted=True`` (one
+user's deployment). Nothing of one tenant is ever proposed to another (``suffix_pool.py``, "tenant").
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from hf_kvspec.speculative.drafters.base import DraftProposal
+from hf_kvspec.speculative.drafters.suffix import SuffixAssistant, proposal_of
+from hf_kvspec.speculative.suffix_pool import SuffixDraft
+
+from .request import Request
+
+
+class SuffixDrafters:
+    """The engine's drafter for ``SuffixAssistant``: its pool, shared by every request of the engine.
+
+    Args:
+        assistant: a ``SuffixAssistant`` (its pool, tree and probability settings; its own ``salt`` is not used:
+            each request's salt names its tenant).
+        num_draft_tokens: nodes per request per round at most (default the assistant's own).
+    """
+
+    shared_cost = False
+    feature_layers = None
+
+    def __init__(self, assistant: SuffixAssistant, num_draft_tokens: int | None = None):
+        size = assistant.num_draft_tokens if num_draft_tokens is None else num_draft_tokens
+        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+            raise ValueError(f"num_draft_tokens must be a non-negative int, got {size!r}.")
+        self.assistant, self.pool, self.num_draft_tokens = assistant, assistant.pool, size
+        self._live: set[int] = set()
+        self.last: dict[int, SuffixDraft] = {}  # request id -> its proposal of the round (the mixed drafter reads it)
+
+    # ---- the engine's drafter interface (as ``drafting.Drafters``) ----------------------------------------
+    def has_session(self, request: Request) -> bool:
+        return request.request_id in self._live
+
+    def draft_limit(self, request: Request) -> int:
+        room = request.settings.max_new_tokens - len(request.output_ids)
+        if not self.has_session(request) or room <= 1:
+            return 0
+        return self.num_draft_tokens if self.assistant.tree else min(self.num_draft_tokens, room - 1)
+
+    def gather(self, request: Request, features) -> None:
+        pass
+
+    def start(self, request: Request) -> None:
+        """``request`` decodes from now on: its text enters its tenant's pool."""
+        self._live.add(request.request_id)
+        self.pool.update(request.request_id, request.tokens, request.salt)
+
+    def observe(self, request: Request, *args) -> None:
+        self.pool.update(request.request_id, request.tokens, request.salt)
+
+    def drop(self, request: Request) -> None:
+        """``request`` left: its text stays as its tenant's history (or goes, if the tenant was its own)."""
+        if request.request_id in self._live:
+            self._live.discard(request.request_id)
+            self.pool.update(request.request_id, request.tokens, request.salt)
+            self.pool.release(request.request_id)
+        self.last.pop(request.request_id, None)
+
+    def propose_rows(self, entries: list[tuple[Request, int]], record=None) -> list[DraftProposal]:
+        """Each ``(request, count)``'s draft ``[1, N]`` (N <= count) from the pool; ``record(count, seconds)`` gets
+        each lookup's time."""
+        proposals = []
+        for request, count in entries:
+            started = time.perf_counter()
+            proposals.append(self.propose(request, count))
+            if record is not None:
+                record(count, time.perf_counter() - started)
+        return proposals
+
+    def propose(self, request: Request, count: int) -> DraftProposal:
+        """``request``'s draft of at most ``count`` nodes, no path past its last token but one."""
+        room = request.settings.max_new_tokens - len(request.output_ids) - 1
+        draft = SuffixDraft()
+        if count > 0 and room > 0:
+            self.pool.update(request.request_id, request.tokens, request.salt)
+            assistant = self.assistant
+            draft = self.pool.propose(request.request_id, count, min(count, room), assistant.min_prob,
+                                      assistant.spec_factor)
+            draft = draft if assistant.tree else draft.chain()
+        self.last[request.request_id] = draft
+        return _single(draft)
+
+
+def _single(draft: SuffixDraft) -> DraftProposal:
+    """A one-row proposal ``[1, N]``: a chain, or a tree with its parents (no filler: the row is its own)."""
+    if not draft.tokens:
+        return DraftProposal(torch.zeros(1, 0, dtype=torch.long))
+    return proposal_of([draft], [0], tree=not draft.is_chain)
