@@ -15,6 +15,7 @@ import math
 import re
 import sys
 import time
+from pathlib import Path
 
 _DTYPE_NAMES = ("bf16", "fp16", "fp32", "fp8")
 
@@ -486,13 +487,15 @@ def _add_batch(subparsers) -> None:
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--no-chat", action="store_true", help="feed \"prompt\" text raw, without the chat template")
     p.add_argument("--assistant", default=None,
-                   help="speculative decoding inside the rounds: ngram | eagle | medusa (the bundled heads) | "
-                        "self-int8 | self-int4 (drafts from a quantized copy, batched across requests) | "
-                        "draft:<causal LM dir> | draft:truncated:<N>; each request's drafts are chosen per round "
-                        "from load (none where drafting would not pay)")
+                   help="speculative decoding inside the rounds: ngram | suffix (drafts from every earlier prompt "
+                        "and output of the run) | eagle | medusa (the bundled heads) | self-int8 | self-int4 (drafts "
+                        "from a quantized copy, batched across requests) | draft:<causal LM dir> | "
+                        "draft:truncated:<N> | suffix+<one of these> (per request, whichever pays); each request's "
+                        "drafts are chosen per round from load (none where drafting would not pay)")
     p.add_argument("--num-draft-tokens", type=_count(1), default=None,
                    help="with --assistant: drafts (tree nodes) per request per round at most (default: ngram and "
-                        "draft models 4, eagle and medusa 8, self-int8 8); the token budget may grant fewer")
+                        "draft models 4, eagle, medusa, suffix and self-int8 8); the token budget may grant fewer")
+    _add_pool_options(p, shared_by_default=True)
     _add_reference_forward(p)
     p.add_argument("--threads", type=_count(1), default=2)
     p.add_argument("--no-progress", action="store_true")
@@ -513,6 +516,7 @@ def _check_batch(parser, args) -> None:
         problem = _batch_assistant_problem(args.assistant)
         if problem:
             parser.error(f"--assistant: {problem}")
+    _check_pool_options(parser, args)
     from hf_kvspec.serving.offline import check_paths, read_requests
 
     try:  # every line and the output path, before the model loads
@@ -532,6 +536,11 @@ def _batch_assistant_problem(spec: str) -> str | None:
     KV: they draft on a cache of their own request's, and the engine's is shared)."""
     from hf_kvspec.speculative.assistants import HEAD_ASSISTANTS
 
+    if "+" in spec:
+        parts = spec.split("+")
+        if len(parts) != 2 or parts.count("suffix") != 1 or "self-int8" in parts or "self-int4" in parts:
+            return f"{spec}: two assistants are suffix and one model drafter, e.g. suffix+eagle or suffix+ngram."
+        return next(filter(None, map(_batch_assistant_problem, parts)), None)
     if spec in HEAD_ASSISTANTS:
         return None
     problem = _assistant_problem(spec)
@@ -552,9 +561,10 @@ def _run_batch(args) -> None:
     requests = [r for r in args.requests if r["id"] not in done]  # checked by _check_batch, before the model
     torch.set_num_threads(args.threads)
     model, tokenizer = load_bundled_model(args.model)
+    assistant, pool = _engine_assistant(args)
     engine = Engine(model, tokenizer, kv_budget=args.kv_budget, block_size=args.block_size,
                     max_tokens_per_round=args.max_tokens_per_round, max_running=args.max_running,
-                    enable_prefix_caching=not args.no_prefix_caching, assistant=args.assistant,
+                    enable_prefix_caching=not args.no_prefix_caching, assistant=assistant,
                     num_draft_tokens=args.num_draft_tokens, fast_forward=False if args.reference_forward else None)
     started = time.perf_counter()
     with ResultWriter(args.out) as writer:
@@ -566,6 +576,8 @@ def _run_batch(args) -> None:
                   f"{args.out}; run again with --resume to finish the rest.", file=sys.stderr)
             raise SystemExit(130) from None
     _print_batch_summary(args, engine, results, len(done), time.perf_counter() - started)
+    if pool is not None and args.save_pool:
+        print(f"suffix pool: {pool.save(args.save_pool)} sequences -> {args.save_pool}")
 
 
 def _print_batch_summary(args, engine, results: list[dict], resumed: int, seconds: float) -> None:
@@ -582,6 +594,57 @@ def _print_batch_summary(args, engine, results: list[dict], resumed: int, second
         rate = stats["acceptance_rate"]
         print(f"speculation ({args.assistant}): output tokens/forward {stats['output_tokens_per_forward']:.2f}, "
               f"draft tokens {stats['draft_tokens']}, acceptance {'n/a' if rate is None else f'{rate:.0%}'}")
+    if "suffix_pool" in stats:
+        pool = stats["suffix_pool"]
+        print(f"suffix pool: {pool['sequences']} sequences, {pool['bytes'] / 2**20:.1f} of "
+              f"{pool['max_bytes'] / 2**20:.0f} MiB, hit rate {pool['hit_rate']:.0%}, {pool['evictions']} evicted")
+
+
+def _add_pool_options(p, shared_by_default: bool) -> None:
+    p.add_argument("--pool-mib", type=_count(1), default=64,
+                   help="with --assistant suffix: the suffix pool's memory budget in MiB (least recently used text "
+                        "is evicted past it)")
+    p.add_argument("--warm-pool", default=None, metavar="FILE",
+                   help="with --assistant suffix: start the pool from a file: one --save-pool wrote, or an earlier "
+                        "batch --out results file")
+    if shared_by_default:
+        p.add_argument("--save-pool", default=None, metavar="FILE",
+                       help="with --assistant suffix: write the pool at the end (for a later --warm-pool)")
+        p.add_argument("--separate-unsalted", action="store_true",
+                       help="with --assistant suffix: requests without a \"salt\" draft from their own text only "
+                            "(default: one run is one user's, so unsalted requests share the pool)")
+    else:
+        p.add_argument("--share-unsalted-pool", action="store_true",
+                       help="with --assistant suffix: requests without a salt share one pool (only for a server "
+                            "with a single user: a shared pool drafts one user's text for another); by default "
+                            "each request without a salt drafts from its own text only")
+
+
+def _check_pool_options(parser, args) -> None:
+    uses_pool = args.assistant is not None and "suffix" in args.assistant.split("+")
+    given = [flag for flag, value in (("--warm-pool", args.warm_pool), ("--save-pool", getattr(args, "save_pool", None)),
+                                      ("--pool-mib", args.pool_mib != 64)) if value]
+    if given and not uses_pool:
+        parser.error(f"{' and '.join(given)} apply to the suffix pool; add --assistant suffix (or suffix+eagle) or "
+                     "drop them.")
+    if args.warm_pool is not None and not Path(args.warm_pool).is_file():
+        parser.error(f"--warm-pool {args.warm_pool}: no such file.")
+
+
+def _engine_assistant(args):
+    """(the Engine's ``assistant``, the suffix pool or None): ``--assistant`` with the pool options applied."""
+    if args.assistant is None or "suffix" not in args.assistant.split("+"):
+        return args.assistant, None
+    from hf_kvspec.serving.suffix_drafting import warm_pool
+    from hf_kvspec.speculative.drafters.suffix import SuffixAssistant
+    from hf_kvspec.speculative.suffix_pool import SuffixPool
+
+    shared = not getattr(args, "separate_unsalted", True) or getattr(args, "share_unsalted_pool", False)
+    pool = SuffixPool(max_bytes=args.pool_mib << 20, share_unsalted=shared)
+    if args.warm_pool is not None:
+        print(f"suffix pool: {warm_pool(pool, args.warm_pool)} sequences from {args.warm_pool}", file=sys.stderr)
+    parts = [SuffixAssistant(pool=pool) if part == "suffix" else part for part in args.assistant.split("+")]
+    return (parts[0] if len(parts) == 1 else parts), pool
 
 
 def _add_reference_forward(p) -> None:
@@ -597,7 +660,10 @@ def _add_serve(subparsers) -> None:
     p.add_argument("model", nargs="?", default=None, help="a local model directory or Hub id (or use --bundled)")
     p.add_argument("--bundled", nargs="?", const="smollm2-135m-instruct", default=None, metavar="NAME",
                    help="serve a bundled model (default smollm2-135m-instruct)")
-    p.add_argument("--assistant", default=None, help="speculative decoding inside the engine (an assistant spec)")
+    p.add_argument("--assistant", default=None,
+                   help="speculative decoding inside the engine: ngram | suffix | eagle | medusa | self-int8 | "
+                        "draft:<dir> | suffix+<another> (docs/serve.md)")
+    _add_pool_options(p, shared_by_default=False)
     _add_reference_forward(p)
     p.add_argument("--served-model-name", default=None, help="the id /v1/models lists (default: the model's name)")
     p.add_argument("--host", default="127.0.0.1")
@@ -636,6 +702,11 @@ def _check_serve(parser, args) -> None:
         import uvicorn  # noqa: F401
     except ImportError:
         parser.error("serve needs the server extra: pip install 'hf-kvspec[serve]'.")
+    if args.assistant is not None:
+        problem = _batch_assistant_problem(args.assistant)
+        if problem:
+            parser.error(f"--assistant: {problem}")
+    _check_pool_options(parser, args)
     problem = _port_problem(args.host, args.port)
     if problem:
         parser.error(problem)
@@ -668,7 +739,8 @@ def _run_serve(args) -> None:
 
         model = AutoModelForCausalLM.from_pretrained(args.model).eval()
         tokenizer = AutoTokenizer.from_pretrained(args.model)
-    engine_kwargs = {"assistant": args.assistant} if args.assistant is not None else {}
+    assistant, _ = _engine_assistant(args)
+    engine_kwargs = {"assistant": assistant} if assistant is not None else {}
     engine = Engine(model, tokenizer, kv_budget=args.kv_budget, block_size=args.block_size,
                     max_tokens_per_round=args.max_tokens_per_round, max_running=args.max_running,
                     enable_prefix_caching=not args.no_prefix_caching,

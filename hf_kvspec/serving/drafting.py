@@ -158,6 +158,7 @@ class Drafters:
         return request.settings.max_new_tokens - len(request.output_ids) - 1
 
     shared_cost = False  # each request's draft call costs its own time (``DraftBudget``)
+    pool = None  # no suffix pool
 
     def propose_rows(self, entries: list[tuple[Request, int]], record=None) -> list[DraftProposal]:
         """Each ``(request, count)``'s proposal ``[1, N]`` (N <= count), one session at a time; ``record(count,

@@ -88,7 +88,9 @@ class Engine:
         policy: the scheduling policy (``SchedulingPolicy``: FIFO).
         enable_prefix_caching: reuse computed full blocks of identical (and identically salted) prefixes.
         assistant: speculative decoding inside the rounds (``speculation.py``): an ``Assistant`` (ngram, a draft
-            model, Medusa, EAGLE) or a spec string (``"ngram"``, ``"eagle"``, ``"medusa"``, ``"draft:<dir>"``).
+            model, Medusa, EAGLE, the suffix pool, self-int8) or a spec string (``"ngram"``, ``"suffix"``,
+            ``"eagle"``, ``"medusa"``, ``"self-int8"``, ``"draft:<dir>"``); or the suffix pool and one model drafter,
+            chosen per request and round (``["suffix", "eagle"]`` or ``"suffix+eagle"``, ``mixed_drafting.py``).
         num_draft_tokens: drafts (tree nodes) per request per round at most; default the assistant's own size
             (``drafting.AUTO_DRAFT_TOKENS`` for ``"auto"``). The token budget may grant fewer.
         draft_lengths: ``"goodput"`` (default): each round gives each drafting request the K in
@@ -474,4 +476,5 @@ class Engine:
                 "waiting": len(self.scheduler.waiting), "used_blocks": used,
                 "total_blocks": self.cache.num_total_blocks(),
                 "block_utilization": used / self.cache.num_total_blocks(),
-                "slot_utilization": self.cache.utilization()}
+                "slot_utilization": self.cache.utilization(),
+                **(self.drafts.telemetry() if self.drafts is not None else {})}

@@ -23,6 +23,7 @@ from hf_kvspec.speculative.drafters.quantized_self import QuantizedSelfAssistant
 from hf_kvspec.speculative.drafters.suffix import SuffixAssistant
 
 from .drafting import Drafters, check_assistant, resolve_assistant
+from .mixed_drafting import MixedDrafters
 from .request import Request
 from .scheduler import RoundPlan
 from .self_drafting import SelfDrafters, check_self_drafting
@@ -39,9 +40,13 @@ def check_draft_lengths(draft_lengths) -> None:
                          f"{draft_lengths!r}.")
 
 
-def make_drafters(assistant, model, cache, num_draft_tokens: int | None) -> Drafters | SelfDrafters:
-    """The engine's drafter for ``assistant`` (an ``Assistant`` or a spec string), refused by name if it cannot
+def make_drafters(assistant, model, cache, num_draft_tokens: int | None, step_seconds=lambda: 0.0):
+    """The engine's drafter for ``assistant`` (an ``Assistant``, a spec string, or two of them as a list or
+    ``"suffix+<spec>"``: the suffix pool and a model drafter, chosen per request), refused by name if it cannot
     run exactly inside the engine."""
+    parts = assistant.split("+") if isinstance(assistant, str) and "+" in assistant else assistant
+    if isinstance(parts, (list, tuple)):
+        return _mixed(parts, model, cache, num_draft_tokens, step_seconds)
     assistant = resolve_assistant(assistant, model)
     if isinstance(assistant, SuffixAssistant):
         return SuffixDrafters(assistant, num_draft_tokens)
@@ -53,12 +58,23 @@ def make_drafters(assistant, model, cache, num_draft_tokens: int | None) -> Draf
     return Drafters(assistant, model, num_draft_tokens, pad if isinstance(pad, int) else 0)
 
 
+def _mixed(parts, model, cache, num_draft_tokens: int | None, step_seconds) -> MixedDrafters:
+    drafters = [make_drafters(part, model, cache, num_draft_tokens) for part in parts]
+    suffix = [d for d in drafters if isinstance(d, SuffixDrafters)]
+    others = [d for d in drafters if isinstance(d, Drafters)]
+    if len(drafters) != 2 or len(suffix) != 1 or len(others) != 1:
+        raise ValueError(f"two assistants are the suffix pool and one model drafter, e.g. ['suffix', 'eagle'] or "
+                         f"'suffix+medusa' (self-int8 drafts for all requests at once and is not mixed); got {parts!r}.")
+    return MixedDrafters(suffix[0], others[0], step_seconds)
+
+
 class RoundDrafts:
     """Speculation of one engine (module docstring): its drafter and, under ``"goodput"``, its draft budget."""
 
     def __init__(self, model, cache, runner, assistant, num_draft_tokens: int | None, draft_lengths: str):
         check_draft_lengths(draft_lengths)
-        self.drafters = make_drafters(assistant, model, cache, num_draft_tokens)
+        self.step = 0.0  # the last round forward's seconds (the mixed drafter weighs a model draft against it)
+        self.drafters = make_drafters(assistant, model, cache, num_draft_tokens, lambda: self.step)
         self.feature_layers = self.drafters.feature_layers
         self.budget = None
         if draft_lengths == "goodput":
@@ -68,7 +84,7 @@ class RoundDrafts:
     def runs_target_outside(self) -> bool:
         """Whether drafting may run the target's own forward outside the engine's attention (a draft model that is
         the target): then the engine must not hold its attention switch across rounds."""
-        return isinstance(self.drafters, Drafters)
+        return isinstance(self.drafters, (Drafters, MixedDrafters))
 
     # ---- before and after scheduling ---------------------------------------------------------------------
     def set_limits(self, running: list[Request]) -> None:
@@ -111,6 +127,7 @@ class RoundDrafts:
 
     # ---- what the round measured -------------------------------------------------------------------------
     def record_forward(self, tokens: int, seconds: float) -> None:
+        self.step = seconds
         if self.budget is not None:
             self.budget.record_forward(tokens, seconds)
 
@@ -142,6 +159,15 @@ class RoundDrafts:
         """Features of prefill columns, kept until the request's session begins."""
         self.drafters.gather(request, features)
 
+    def telemetry(self) -> dict:
+        """The suffix pool's figures (``SuffixPool.stats``) when one drafts, and who drafted how many rows when two
+        drafters are mixed."""
+        pool = getattr(self.drafters, "pool", None)
+        out = {} if pool is None else {"suffix_pool": pool.stats()}
+        if isinstance(self.drafters, MixedDrafters):
+            out["drafted_by"] = dict(self.drafters.drafted_by)
+        return out
+
     def forget(self, request: Request) -> None:
         """``request`` finished, was cancelled, preempted or failed: its drafter state and estimates go."""
         self.drafters.drop(request)
@@ -153,6 +179,6 @@ def _costs(model, runner, drafters) -> Costs:
     """The measured forward and draft costs of this model, forward kind, thread count and drafter, shared with
     earlier engines of the same kind in this process."""
     drafter = drafters.assistant
-    key = (runner.fast is not None, runner.reference, torch.get_num_threads(), type(drafter).__name__,
-           getattr(drafter, "weights", None))
+    key = (runner.fast is not None, runner.reference, torch.get_num_threads(), type(drafters).__name__,
+           type(drafter).__name__, getattr(drafter, "weights", None))
     return _COSTS.setdefault(model, {}).setdefault(key, Costs())

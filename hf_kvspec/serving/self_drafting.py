@@ -57,6 +57,7 @@ class SelfDrafters:
 
     shared_cost = True
     feature_layers = None
+    pool = None
 
     def __init__(self, assistant, cache: RaggedPagedCache, num_draft_tokens: int | None = None):
         own = assistant.num_draft_tokens

@@ -82,6 +82,8 @@ class ServerMetrics:
                   "# TYPE kvspec_requests_total counter"]
         lines += [f'kvspec_requests_total{{outcome="{o}"}} {self.requests[o]}' for o in OUTCOMES]
         lines += self._ttft_lines()
+        if "suffix_pool" in engine:
+            lines += _pool_lines(engine["suffix_pool"])
         return "\n".join(lines) + "\n"
 
     def _ttft_lines(self) -> list[str]:
@@ -94,6 +96,21 @@ class ServerMetrics:
         lines += [f'{name}_bucket{{le="+Inf"}} {self.ttft_count}', f"{name}_sum {_number(self.ttft_sum)}",
                   f"{name}_count {self.ttft_count}"]
         return lines
+
+
+def _pool_lines(pool: dict) -> list[str]:
+    """The suffix pool's figures (``SuffixPool.stats``)."""
+    lines: list[str] = []
+    gauge, counter = _family(lines, "gauge"), _family(lines, "counter")
+    gauge("kvspec_suffix_pool_bytes", "Accounted bytes held by the suffix drafting pool.", pool["bytes"])
+    gauge("kvspec_suffix_pool_max_bytes", "The suffix pool's byte budget.", pool["max_bytes"])
+    gauge("kvspec_suffix_pool_sequences", "Sequences (running and past requests) in the suffix pool.",
+          pool["sequences"])
+    gauge("kvspec_suffix_pool_hit_rate", "Lookups that drafted at least one token / lookups.", pool["hit_rate"])
+    counter("kvspec_suffix_pool_lookups_total", "Suffix pool lookups.", pool["lookups"])
+    counter("kvspec_suffix_pool_evictions_total", "Sequences evicted from the suffix pool for its budget.",
+            pool["evictions"])
+    return lines
 
 
 def _family(lines: list[str], kind: str):

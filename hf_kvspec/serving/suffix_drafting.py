@@ -13,13 +13,15 @@ user's deployment). Nothing of one tenant is ever proposed to another (``suffix_
 
 from __future__ import annotations
 
+import json
 import time
+from pathlib import Path
 
 import torch
 
 from hf_kvspec.speculative.drafters.base import DraftProposal
 from hf_kvspec.speculative.drafters.suffix import SuffixAssistant, proposal_of
-from hf_kvspec.speculative.suffix_pool import SuffixDraft
+from hf_kvspec.speculative.suffix_pool import SuffixDraft, SuffixPool
 
 from .request import Request
 
@@ -103,3 +105,30 @@ def _single(draft: SuffixDraft) -> DraftProposal:
     if not draft.tokens:
         return DraftProposal(torch.zeros(1, 0, dtype=torch.long))
     return proposal_of([draft], [0], tree=not draft.is_chain)
+
+
+def warm_pool(pool: SuffixPool, path: str | Path) -> int:
+    """Fill ``pool`` from a file: a pool ``SuffixPool.save`` wrote (``{"tenant", "tokens"}`` lines) or the results
+    of an earlier ``hf-kvspec batch`` (``{"output_ids": [...], "salt"?: ...}`` lines: each output is added under
+    its salt, an unsalted one only to a pool that shares unsalted text). Returns the sequences added."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"--warm-pool {path}: no such file.")
+    with path.open() as lines:
+        first = next((json.loads(line) for line in lines if line.strip()), {})
+    if "tenant" in first and "tokens" in first:
+        return pool.load(path)
+    added = 0
+    with path.open() as lines:
+        for number, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            record = json.loads(line)
+            if not isinstance(record.get("output_ids"), list):
+                raise ValueError(f"{path}:{number}: neither a saved pool line ({{'tenant', 'tokens'}}) nor a batch "
+                                 "result ({'output_ids': [...]}); give a file that SuffixPool.save or hf-kvspec "
+                                 "batch --out wrote.")
+            before = pool.stats()["sequences"]
+            pool.add(record["output_ids"], record.get("salt"))
+            added += pool.stats()["sequences"] > before
+    return added

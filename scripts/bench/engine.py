@@ -237,10 +237,13 @@ def add_arguments(parser) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--systems", default="hf,static,engine", help="comma-separated: hf, static, engine")
     parser.add_argument("--assistant", default="",
-                        help="also run the engine with these assistants, comma-separated (ngram, eagle, medusa, "
-                             "self-int8, self-int4, draft:<dir>)")
+                        help="also run the engine with these assistants, comma-separated (ngram, suffix, eagle, "
+                             "medusa, self-int8, self-int4, draft:<dir>, suffix+eagle)")
     parser.add_argument("--kinds", default=None,
                         help="speculation under load (bench/engine_load.py): prompt kinds, from chat,code,summarize")
+    parser.add_argument("--workload", dest="kinds",
+                        help="the same with the committed workloads (bench/workloads.py): extraction, multiturn, "
+                             "code_edit, chat")
     parser.add_argument("--concurrency", default="1,2,4,8,16,all",
                         help="with --kinds: closed-loop concurrency values (and 'all')")
     parser.add_argument("--profile-rounds", default=None,

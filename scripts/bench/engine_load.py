@@ -29,19 +29,25 @@ from bench.engine import Trace, arrival_times, hf_config, percentile, run_engine
 from bench.harness import Report, load_average, save_plot
 
 COLUMNS = ["kind", "load", "system", "completed", "output_tokens", "tok_per_s", "speedup", "vs_hf", "k_mean",
-           "tau", "drafting", "ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99", "same_as_engine", "load_before",
+           "tau", "drafting", "pool_kib", "hit_rate", "by_pool", "ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99", "same_as_engine", "load_before",
            "load_after"]
 KINDS = ("chat", "code", "summarize")
 
 
 def workload(tokenizer, kind: str, count: int) -> list[list[int]]:
-    """``count`` chat-templated prompts of ``kind`` (cycled when the set is smaller)."""
+    """``count`` chat-templated prompts of ``kind``: a prompt set (cycled when smaller) or a committed workload
+    (``bench/workloads.py``: extraction, multiturn, code_edit, chat)."""
+    from bench import workloads
     from bench.spec_defaults import load_prompts
 
-    texts = load_prompts(kind, 1000)
+    if kind in workloads.WORKLOADS:
+        conversations = workloads.load(kind, count)
+    else:
+        conversations = [[{"role": "user", "content": text}]
+                         for text in itertools.islice(itertools.cycle(load_prompts(kind, 1000)), count)]
     prompts = []
-    for text in itertools.islice(itertools.cycle(texts), count):
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+    for messages in conversations:
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         prompts.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
     return prompts
 
@@ -84,10 +90,22 @@ def speculation(engine) -> dict:
             "drafting": round(drafting_rows / rows, 2)}
 
 
-def _engine_run(model, tokenizer, assistant, max_running: int, args, prompts, arrivals):
+def engine_assistant(spec: str | None):
+    """The engine's ``assistant`` for a benchmark spec: the suffix pool shares the requests' text (a workload is
+    one user's traffic, one tenant); other specs as given."""
+    if spec is None or "suffix" not in spec.split("+"):
+        return spec
+    from hf_kvspec import SuffixAssistant, SuffixPool
+
+    parts = [SuffixAssistant(pool=SuffixPool(share_unsalted=True)) if p == "suffix" else p for p in spec.split("+")]
+    return parts[0] if len(parts) == 1 else parts
+
+
+def _engine_run(model, tokenizer, spec, max_running: int, args, prompts, arrivals):
     from hf_kvspec import Engine
 
     made = []
+    assistant = engine_assistant(spec)
 
     def make():
         made.append(Engine(model, tokenizer, kv_budget=args.kv_budget, max_tokens_per_round=args.max_tokens_per_round,
@@ -95,7 +113,17 @@ def _engine_run(model, tokenizer, assistant, max_running: int, args, prompts, ar
         return made[-1]
 
     traces, _ = run_engine(make, prompts, arrivals, args.max_new_tokens)
-    return traces, speculation(made[-1]) if assistant else {}
+    return traces, {**(speculation(made[-1]) if assistant else {}), **pool_figures(made[-1])}
+
+
+def pool_figures(engine) -> dict:
+    """The suffix pool's bytes and hit rate, and the share of drafting rows the pool drafted when mixed."""
+    telemetry = engine.telemetry()
+    pool, drafted_by = telemetry.get("suffix_pool"), telemetry.get("drafted_by")
+    out = {} if pool is None else {"pool_kib": round(pool["bytes"] / 1024, 1), "hit_rate": round(pool["hit_rate"], 2)}
+    if drafted_by:
+        out["by_pool"] = round(drafted_by["suffix"] / max(sum(drafted_by.values()), 1), 2)
+    return out
 
 
 def _hf_run(model, max_running: int, args, prompts, arrivals, eos_ids):

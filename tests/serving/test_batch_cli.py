@@ -115,3 +115,41 @@ def test_results_are_written_as_they_finish_and_resume_runs_the_rest(tmp_path, l
     results = {json.loads(line)["id"]: json.loads(line) for line in out.read_text().splitlines()}
     for number, prompt in enumerate(prompts, start=1):
         assert results[number]["output_ids"] == greedy_reference(llama, prompt, 5)
+
+
+def test_the_suffix_pool_is_saved_and_warms_a_later_run(tmp_path, loads, llama, capsys, monkeypatch):
+    """``--assistant suffix --save-pool`` then ``--warm-pool`` (the saved pool, or the first run's results): the
+    second run drafts the first run's outputs from its first round, and outputs stay plain greedy. (Every request
+    drafts: on a tiny model the goodput choice may rightly decide that drafting does not pay.)"""
+    import hf_kvspec.serving.engine as engine_module
+
+    monkeypatch.setattr(engine_module.Engine.__init__, "__kwdefaults__",
+                        {**engine_module.Engine.__init__.__kwdefaults__, "draft_lengths": "fixed"})
+    prompts = random_prompts([6, 9, 7], seed=4, vocab=12)
+    source = _write(tmp_path / "p.jsonl", [{"input_ids": p, "max_new_tokens": 12} for p in prompts])
+    assert _batch(source, tmp_path / "first.jsonl", "--assistant", "suffix", "--save-pool", str(tmp_path / "pool.jsonl")) == 0
+    first = [json.loads(line) for line in (tmp_path / "first.jsonl").read_text().splitlines()]
+    assert all(r["output_ids"] == greedy_reference(llama, prompts[r["id"] - 1], 12) for r in first)
+    assert "suffix pool: 3 sequences ->" in capsys.readouterr().out
+    for warm in ("pool.jsonl", "first.jsonl"):
+        out = tmp_path / f"warm-{warm}"
+        assert _batch(source, out, "--assistant", "suffix", "--warm-pool", str(tmp_path / warm)) == 0
+        again = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
+        assert all(again[r["id"]]["output_ids"] == r["output_ids"] for r in first)
+        assert min(r["tau"] for r in again.values()) > 2, warm  # each request drafts its earlier output
+        assert "suffix pool: 3 sequences from" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, fragment", [
+    (["--warm-pool", "x.jsonl"], "apply to the suffix pool; add --assistant suffix"),
+    (["--assistant", "ngram", "--save-pool", "p.jsonl"], "apply to the suffix pool"),
+    (["--assistant", "suffix", "--warm-pool", "missing.jsonl"], "--warm-pool missing.jsonl: no such file"),
+    (["--assistant", "suffix+self-int8"], "two assistants are suffix and one model drafter"),
+    (["--assistant", "suffix+early_exit"], "early_exit is self-speculation"),
+])
+def test_pool_flags_are_checked_before_the_model_loads(tmp_path, loads, capsys, flags, fragment, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    source = _write(tmp_path / "p.jsonl", [{"input_ids": [5, 6]}])
+    with pytest.raises(SystemExit):
+        _batch(source, tmp_path / "out.jsonl", *flags)
+    assert fragment in capsys.readouterr().err and not loads
