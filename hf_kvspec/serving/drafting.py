@@ -41,7 +41,7 @@ import torch
 from hf_kvspec.speculative.buffer import TokenBuffer
 from hf_kvspec.speculative.drafters.base import Assistant, DraftContext, DraftProposal, RoundOutcome
 from hf_kvspec.speculative.positions import History, PositionwiseProcessor
-from hf_kvspec.speculative.rounds import cap_depth
+from hf_kvspec.speculative.rounds import cap_proposal
 
 from .request import Request
 from .speculation import request_processor
@@ -104,7 +104,7 @@ class DraftSession:
         history = History(buffer.tokens, buffer.width + count + 1, self.pad_token_id)
         alive = torch.ones(1, dtype=torch.bool, device=self.device)
         ctx = DraftContext(buffer, history, count, request.settings.do_sample, alive, processor, max_depth=max_depth)
-        return first_nodes(cap_depth(self.assistant.propose(ctx), max_depth), count)
+        return cap_proposal(self.assistant.propose(ctx), max_depth, max_nodes=count)
 
     def observe(self, kept_width: int, num_accepted: int, num_draft: int, path_features: torch.Tensor | None,
                 accepted_nodes: torch.Tensor) -> None:
@@ -117,15 +117,6 @@ class DraftSession:
 
     def end(self) -> None:
         self.assistant.end()
-
-
-def first_nodes(proposal: DraftProposal, count: int) -> DraftProposal:
-    """``proposal`` cut to its first ``count`` nodes (a prefix of a topological node list is a tree)."""
-    if proposal.tokens.shape[1] <= count:
-        return proposal
-    probs, parents = proposal.probs, proposal.parents
-    return DraftProposal(proposal.tokens[:, :count], None if probs is None else probs[:, :count],
-                         None if parents is None else parents[..., :count], proposal.draft_forwards)
 
 
 class Drafters:
@@ -181,6 +172,9 @@ class Drafters:
                 path_features: torch.Tensor | None, accepted_nodes: torch.Tensor) -> None:
         """``request``'s round verdict for its session (``DraftSession.observe``)."""
         self.sessions[request.request_id].observe(kept_width, num_accepted, num_draft, path_features, accepted_nodes)
+
+    def expected_gains(self, request: Request, limit: int) -> None:
+        return None  # drafts are made after the plan: K comes from the request's running acceptance
 
     def gather(self, request: Request, features: torch.Tensor | None) -> None:
         """Features ``[n, F]`` of columns ``request`` fed while it has no session."""

@@ -371,12 +371,8 @@ class Engine:
     def _keep(self, request: Request, row: ScheduledRow, result: RowResult) -> None:
         """A request that goes on: keep its verified path in the cache; its drafter sees the round."""
         verdict = result.verdict
-        if result.verified:
-            kept = verdict.kept
-            if kept == list(range(len(kept))):
-                self.cache.truncate(request.request_id, row.start + len(kept))
-            else:
-                self.cache.keep_new_tokens(request.request_id, row.start, kept)
+        if result.verified:  # the root and the accepted path stay (a prefix of the node order only truncates)
+            self.cache.keep_new_tokens(request.request_id, row.start, verdict.kept)
             request.num_computed += verdict.num_accepted
         if self.drafts is not None:
             self.drafts.keep(request, verdict, result.verified, row.num_tokens, result.features)

@@ -24,32 +24,12 @@ import time
 
 import torch
 
-from hf_kvspec.speculative.draft_budget import DECAY, PRIOR_WEIGHT
+from hf_kvspec.speculative.draft_budget import DECAY
 from hf_kvspec.speculative.drafters.base import DraftProposal
 
 from .drafting import Drafters
 from .request import Request
-from .suffix_drafting import SuffixDrafters
-
-
-class _Ratio:
-    """A decayed ratio ``hits / tries`` per request, over a pooled one (the prior of a request not yet measured)."""
-
-    def __init__(self, prior: float):
-        self.pooled = [prior, 1.0]
-        self.requests: dict[int, list[float]] = {}
-
-    def add(self, request_id: int, hits: float, tries: float) -> None:
-        for table in (self.requests.setdefault(request_id, [0.0, 0.0]), self.pooled):
-            table[0], table[1] = DECAY * table[0] + hits, DECAY * table[1] + tries
-
-    def __call__(self, request_id: int) -> float:
-        pooled = self.pooled[0] / max(self.pooled[1], 1e-9)
-        hits, tries = self.requests.get(request_id, (0.0, 0.0))
-        return (hits + PRIOR_WEIGHT * pooled) / (tries + PRIOR_WEIGHT)
-
-    def forget(self, request_id: int) -> None:
-        self.requests.pop(request_id, None)
+from .suffix_drafting import Ratio, SuffixDrafters
 
 
 class MixedDrafters:
@@ -67,8 +47,8 @@ class MixedDrafters:
         self.suffix, self.model, self.step_seconds = suffix, model, step_seconds
         self.assistant, self.feature_layers = model.assistant, model.feature_layers
         self.pool = suffix.pool
-        self.suffix_ratio = _Ratio(prior=1.0)  # accepted / estimated pool drafts
-        self.model_alpha = _Ratio(prior=0.6)  # accepted / offered model drafts, per draft position
+        self.suffix_ratio = Ratio(prior=1.0)  # accepted / estimated pool drafts
+        self.model_alpha = Ratio(prior=0.6)  # accepted / offered model drafts, per draft position
         self.model_seconds = 0.0  # decayed mean of a model drafter call
         self.source: dict[int, str] = {}  # request id -> who drafted its row this round
         self.expected: dict[int, float] = {}  # request id -> the pool draft's own estimate, when the pool drafted
@@ -83,6 +63,9 @@ class MixedDrafters:
 
     def gather(self, request: Request, features) -> None:
         self.model.gather(request, features)
+
+    def expected_gains(self, request: Request, limit: int) -> None:
+        return None  # the source is chosen after the plan: K comes from the request's running acceptance
 
     def start(self, request: Request) -> None:
         self.suffix.start(request)

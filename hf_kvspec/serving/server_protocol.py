@@ -52,6 +52,7 @@ class GenerationParams:
     stream: bool = False
     include_usage: bool = False
     model: str | None = None
+    cache_salt: str | None = None  # the tenant: prefix blocks and suffix-pool drafts are shared within one salt only
 
     @property
     def prompt_field(self) -> str:
@@ -62,12 +63,14 @@ class GenerationParams:
         sampled = self.temperature > 0
         return {"max_new_tokens": self.max_tokens, "do_sample": sampled,
                 "temperature": self.temperature if sampled else 1.0, "top_p": self.top_p,
-                "seed": None if self.seed is None else (self.seed + choice) % SEED_RANGE, "stop_strings": self.stop}
+                "seed": None if self.seed is None else (self.seed + choice) % SEED_RANGE, "stop_strings": self.stop,
+                "salt": self.cache_salt}
 
 
 # ---- parsing ---------------------------------------------------------------------------------------------
 _IGNORED = {"user", "metadata", "store"}  # accepted and ignored: they do not change the output
-_COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "stream", "stream_options"}
+_COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "stream", "stream_options",
+           "cache_salt"}
 _FIELDS = {"completion": _COMMON | {"prompt"}, "chat": _COMMON | {"messages", "max_completion_tokens"}}
 
 
@@ -92,7 +95,7 @@ def parse_request(body: bytes, kind: str) -> GenerationParams:
         temperature=temperature, top_p=top_p, seed=_integer(data, "seed", None, lo=0, hi=SEED_RANGE - 1),
         stop=_stop(data),
         n=_integer(data, "n", 1, lo=1, hi=MAX_N), stream=_boolean(data, "stream", False),
-        include_usage=_stream_options(data), model=_string(data, "model", None))
+        include_usage=_stream_options(data), model=_string(data, "model", None), cache_salt=_salt(data))
 
 
 def _fail(name: str, expected: str, value) -> BadRequest:
@@ -133,6 +136,14 @@ def _string(data: Mapping, name: str, default):
     if value is not default and not isinstance(value, str):
         raise _fail(name, "a string", value)
     return value
+
+
+def _salt(data: Mapping) -> str | None:
+    """``cache_salt`` (vLLM's name for it): a non-empty string naming the request's tenant."""
+    salt = _string(data, "cache_salt", None)
+    if salt is not None and not salt:
+        raise _fail("cache_salt", "a non-empty string (the tenant's secret)", salt)
+    return salt
 
 
 def _max_tokens(data: Mapping, kind: str) -> int:

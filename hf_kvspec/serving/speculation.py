@@ -1,12 +1,11 @@
 """Speculative rows of the serving engine: one request's newest token and its drafts, verified in the round's
 packed forward beside everyone else's rows, then accepted and rolled back for that request alone.
 
-Boundary: the tensor work of one request's verify row — its ``ForwardRow`` (tree positions and mask among the new
-tokens), its processed scores at every node, acceptance, and what its K/V keep. It reuses the speculative package
-unchanged: ``rounds.plan_round`` (chain or tree scores, each node processed after its own path),
-``tree.CandidateTree`` (mask, positions), ``tree.keep_indices`` (the kept columns) and ``verify.py``'s
-``greedy_verify`` / ``rejection_verify``. Who drafts is ``drafting.py``'s; committing and stopping are the
-engine's.
+Boundary: one request's verify row in the packed forward — its ``ForwardRow`` (tree positions and mask among the
+new tokens). Everything else of the round is the speculative package's one implementation, the same the
+``generate`` loop runs: ``rounds.plan_round`` decides chain or tree, processes each node's scores after its own
+path, accepts (greedy, or speculative sampling with the request's own generator) and says which columns stay
+(``kept_columns``). Who drafts is ``drafting.py``'s; committing and stopping are the engine's.
 
 A verify row of request r (tokens ``t_0 .. t_{L-1}``, the cache holding the first ``L - 1``)::
 
@@ -19,7 +18,7 @@ Acceptance (``Leviathan et al. 2211.17192``; trees as in SpecInfer ``2305.09781`
 equal to the target's argmax; sampling runs speculative sampling with the request's own generator, point-mass
 drafts when the drafter returns no probabilities. Either way the row emits ``accepted + 1`` tokens, exactly the
 target's (greedy) or distributed as the target's (sampling). Roll back: the root and the accepted path stay
-(``RaggedPagedCache.truncate`` for a chain or a path that is a prefix, ``keep_new_tokens`` otherwise).
+(``RaggedPagedCache.keep_new_tokens``: a chain, or a path that is a prefix of the node order, only truncates).
 
 Shapes: ``N`` drafts · ``V`` vocabulary · ``F`` feature width · ``k`` accepted drafts.
 """
@@ -33,8 +32,6 @@ import torch
 from hf_kvspec.speculative.drafters.base import DraftProposal
 from hf_kvspec.speculative.positions import History, PositionwiseProcessor
 from hf_kvspec.speculative.rounds import plan_round
-from hf_kvspec.speculative.tree import keep_indices
-from hf_kvspec.speculative.verify import greedy_verify, rejection_verify
 
 from .request import Request
 from .runner import ForwardRow
@@ -81,21 +78,15 @@ class VerifyRow:
         return ForwardRow(request.request_id, tokens, start, positions, mask, tuple(range(count)))
 
     def accept(self, logits: torch.Tensor) -> Verdict:
-        """Verify the drafts against the row's logits ``[1 + N, V]``."""
+        """Verify the drafts against the row's logits ``[1 + N, V]`` (the round's own acceptance, ``rounds.py``,
+        with the request's generator)."""
         request = self.request
         history = History(torch.tensor([request.tokens], device=logits.device), request.num_tokens + self.num_draft + 1,
                           0)
         scores = self.round.scores(self.processor, history, logits[None])  # [1, 1 + N, V] fp32
-        draft_tokens = self.proposal.tokens.to(scores.device)
-        if request.settings.do_sample:  # the request's generator is a CPU one on every device
-            probs = torch.softmax(scores, dim=-1).cpu()
-            draft_probs = None if self.proposal.probs is None else self.proposal.probs.cpu()
-            parents = None if self.proposal.parents is None else self.proposal.parents.cpu()
-            result = rejection_verify(draft_tokens.cpu(), probs, draft_probs, parents, request.generator)
-        else:
-            result = greedy_verify(draft_tokens, scores.argmax(dim=-1), self.proposal.parents)
+        result = self.round.verify(scores, request.settings.do_sample, generator=request.generator)
         k = int(result.num_accepted[0])
         nodes = result.accepted_nodes[:, :k]  # [1, k]
-        accepted = result.accepted_tokens(draft_tokens.to(nodes.device))[0, :k].tolist()
-        kept = keep_indices(nodes)[0].tolist()
+        accepted = result.accepted_tokens(self.proposal.tokens.to(nodes.device))[0, :k].tolist()
+        kept = self.round.kept_columns(nodes)[0].tolist()
         return Verdict([*accepted, int(result.next_tokens[0])], k, self.num_draft, kept, nodes)

@@ -7,7 +7,12 @@ is the round's (``speculation.py``, ``engine.py``).
 
 A request's text enters the pool when it starts decoding and grows with every round it drafts in; when it finishes
 (or is cancelled, preempted, fails) it stays as history of its tenant: later requests with the same salt draft from
-it. Unsalted requests draft from their own text only, unless the pool was built with ``share_unsalted=True`` (one
+it.
+
+A lookup costs microseconds, so it runs before the round is planned: the draft budget gets each request's gains
+(``expected_gains``: each node's estimated acceptance, best first, times the request's measured ratio of accepted
+to estimated drafts) instead of a guess from past acceptance, and the round then verifies the looked-up draft cut
+to the K the plan gave. Unsalted requests draft from their own text only, unless the pool was built with ``share_unsalted=True`` (one
 user's deployment). Nothing of one tenant is ever proposed to another (``suffix_pool.py``, "tenant").
 """
 
@@ -19,11 +24,33 @@ from pathlib import Path
 
 import torch
 
+from hf_kvspec.speculative.draft_budget import DECAY, PRIOR_WEIGHT
 from hf_kvspec.speculative.drafters.base import DraftProposal
 from hf_kvspec.speculative.drafters.suffix import SuffixAssistant, proposal_of
 from hf_kvspec.speculative.suffix_pool import SuffixDraft, SuffixPool
 
 from .request import Request
+
+
+class Ratio:
+    """A decayed ratio ``hits / tries`` per request over a pooled one (the prior of a request not yet measured,
+    worth ``PRIOR_WEIGHT`` rounds)."""
+
+    def __init__(self, prior: float):
+        self.pooled = [prior, 1.0]
+        self.requests: dict[int, list[float]] = {}
+
+    def add(self, request_id: int, hits: float, tries: float) -> None:
+        for table in (self.requests.setdefault(request_id, [0.0, 0.0]), self.pooled):
+            table[0], table[1] = DECAY * table[0] + hits, DECAY * table[1] + tries
+
+    def __call__(self, request_id: int) -> float:
+        pooled = self.pooled[0] / max(self.pooled[1], 1e-9)
+        hits, tries = self.requests.get(request_id, (0.0, 0.0))
+        return (hits + PRIOR_WEIGHT * pooled) / (tries + PRIOR_WEIGHT)
+
+    def forget(self, request_id: int) -> None:
+        self.requests.pop(request_id, None)
 
 
 class SuffixDrafters:
@@ -45,6 +72,9 @@ class SuffixDrafters:
         self.assistant, self.pool, self.num_draft_tokens = assistant, assistant.pool, size
         self._live: set[int] = set()
         self.last: dict[int, SuffixDraft] = {}  # request id -> its proposal of the round (the mixed drafter reads it)
+        self.ratio = Ratio(prior=1.0)  # accepted / estimated drafts, per request
+        self._previewed: dict[int, tuple[int, SuffixDraft]] = {}  # request id -> (its tokens then, the draft)
+        self._verified: dict[int, float] = {}  # request id -> the estimate of the draft it verifies this round
 
     # ---- the engine's drafter interface (as ``drafting.Drafters``) ----------------------------------------
     def has_session(self, request: Request) -> bool:
@@ -64,8 +94,20 @@ class SuffixDrafters:
         self._live.add(request.request_id)
         self.pool.update(request.request_id, request.tokens, request.salt)
 
-    def observe(self, request: Request, *args) -> None:
+    def observe(self, request: Request, kept_width: int = 0, num_accepted: int = 0, *args) -> None:
+        """The round's verdict: the pool learns the text, the request's ratio the drafts it verified."""
         self.pool.update(request.request_id, request.tokens, request.salt)
+        expected = self._verified.pop(request.request_id, None)
+        if expected:
+            self.ratio.add(request.request_id, num_accepted, expected)
+
+    def expected_gains(self, request: Request, limit: int) -> tuple[float, ...]:
+        """Before the plan: each node's estimated acceptance in ``request``'s draft of at most ``limit`` nodes,
+        calibrated by the request's ratio (module docstring); the draft is kept for ``propose``."""
+        draft = self._lookup(request, limit)
+        self._previewed[request.request_id] = (request.num_tokens, draft)
+        ratio = self.ratio(request.request_id)
+        return tuple(min(prob * ratio, 1.0) for prob in draft.probs)
 
     def drop(self, request: Request) -> None:
         """``request`` left: its text stays as its tenant's history (or goes, if the tenant was its own)."""
@@ -73,7 +115,9 @@ class SuffixDrafters:
             self._live.discard(request.request_id)
             self.pool.update(request.request_id, request.tokens, request.salt)
             self.pool.release(request.request_id)
-        self.last.pop(request.request_id, None)
+        for table in (self.last, self._previewed, self._verified):
+            table.pop(request.request_id, None)
+        self.ratio.forget(request.request_id)
 
     def propose_rows(self, entries: list[tuple[Request, int]], record=None) -> list[DraftProposal]:
         """Each ``(request, count)``'s draft ``[1, N]`` (N <= count) from the pool; ``record(count, seconds)`` gets
@@ -82,22 +126,29 @@ class SuffixDrafters:
         for request, count in entries:
             started = time.perf_counter()
             proposals.append(self.propose(request, count))
+            self._verified[request.request_id] = self.last[request.request_id].expected
             if record is not None:
                 record(count, time.perf_counter() - started)
         return proposals
 
     def propose(self, request: Request, count: int) -> DraftProposal:
-        """``request``'s draft of at most ``count`` nodes, no path past its last token but one."""
-        room = request.settings.max_new_tokens - len(request.output_ids) - 1
-        draft = SuffixDraft()
-        if count > 0 and room > 0:
-            self.pool.update(request.request_id, request.tokens, request.salt)
-            assistant = self.assistant
-            draft = self.pool.propose(request.request_id, count, min(count, room), assistant.min_prob,
-                                      assistant.spec_factor)
-            draft = draft if assistant.tree else draft.chain()
-        self.last[request.request_id] = draft
+        """``request``'s draft of at most ``count`` nodes (the one looked up before the plan, if any), no path
+        past its last token but one."""
+        tokens, draft = self._previewed.pop(request.request_id, (None, None))
+        if draft is None or tokens != request.num_tokens:
+            draft = self._lookup(request, count)
+        self.last[request.request_id] = draft = draft.cut(count)
         return _single(draft)
+
+    def _lookup(self, request: Request, count: int) -> SuffixDraft:
+        room = request.settings.max_new_tokens - len(request.output_ids) - 1
+        if count <= 0 or room <= 0:
+            return SuffixDraft()
+        self.pool.update(request.request_id, request.tokens, request.salt)
+        assistant = self.assistant
+        draft = self.pool.propose(request.request_id, count, min(count, room), assistant.min_prob,
+                                  assistant.spec_factor)
+        return draft if assistant.tree else draft.chain()
 
 
 def _single(draft: SuffixDraft) -> DraftProposal:

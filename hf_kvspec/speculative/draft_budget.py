@@ -20,6 +20,11 @@ has goodput (the next token of every sampling row, plus the accepted drafts)
 with ``v`` the measured acceptance work of one verify row (scores at every node and the verdict, which a plain
 row does not do).
 
+A drafter that knows its proposal before the plan (the suffix pool: a lookup costs microseconds) gives each
+request's marginal gains itself (``Candidate.gains``: the estimated acceptance of each node, best first, already
+calibrated by the request's measured ratio of accepted to estimated drafts); they take the place of
+``alpha_i^k`` for that request, and such a request is never probed (its gains are not a guess).
+
 Since each ``E_i`` is concave, the best way to spend m draft tokens is on the m largest marginal gains
 ``alpha_i^k``; ``plan`` walks m = 0, 1, ... over those gains in order and keeps the best m (with a shared draft
 call, once per cap on the deepest length, since the cap fixes the drafting cost). m = 0, everybody at
@@ -110,10 +115,19 @@ def prior(tokens: float) -> float:
 
 @dataclass(frozen=True)
 class Candidate:
-    """A decode row that may draft: its request and the most drafts it may verify (slots granted, tokens left)."""
+    """A decode row that may draft: its request, the most drafts it may verify (slots granted, tokens left) and,
+    from a drafter that knows its proposal already, the marginal gain of each draft (non-increasing)."""
 
     request_id: int
     max_drafts: int
+    gains: tuple[float, ...] | None = None
+
+    def gain(self, alpha: float, k: int) -> float:
+        """The k-th draft's expected accepted tokens (1-based)."""
+        return alpha**k if self.gains is None else self.gains[k - 1]
+
+    def capped(self, drafts: int) -> Candidate:
+        return Candidate(self.request_id, min(self.max_drafts, drafts), self.gains)
 
 
 class Costs:
@@ -232,9 +246,10 @@ class DraftBudget:
     def plan(self, base_tokens: int, sampling_rows: int, candidates: Sequence[Candidate]) -> dict[int, int]:
         """K per candidate's request (0 for those that should not draft) for a round whose other rows pack
         ``base_tokens`` tokens and sample ``sampling_rows`` tokens."""
+        candidates = [c if c.gains is None else c.capped(len(c.gains)) for c in candidates]
         if not self.draft_timed():  # until a draft was timed, short drafts: a first round cannot cost much
-            candidates = [Candidate(c.request_id, min(c.max_drafts, PROBE_TOKENS)) for c in candidates]
-        gains = sorted(((self.alpha(c.request_id) ** k, c.request_id, k)
+            candidates = [c.capped(PROBE_TOKENS) for c in candidates]
+        gains = sorted(((c.gain(self.alpha(c.request_id), k), c.request_id, k)
                         for c in candidates for k in range(1, c.max_drafts + 1)), reverse=True)
         lengths = dict.fromkeys((c.request_id for c in candidates), 0)
         tables = self._tables(base_tokens, candidates)
@@ -266,7 +281,8 @@ class DraftBudget:
             for cap in range(max((c.max_drafts for c in candidates), default=0) + 1):
                 yield [g for g in gains if g[2] <= cap]
             return
-        ranked = sorted((c.request_id for c in candidates), key=lambda r: -self.alpha(r))
+        ranked = [c.request_id for c in sorted(candidates, key=lambda c: -c.gain(self.alpha(c.request_id), 1)
+                                                if c.max_drafts else 0.0)]
         for count in range(1, len(ranked) + 1):
             kept = set(ranked[:count])
             yield [g for g in gains if g[1] in kept]
@@ -307,20 +323,24 @@ class DraftBudget:
             if counts is not None:  # an idle request's own evidence fades towards the pooled estimate
                 counts[0], counts[1] = self.decay * counts[0], self.decay * counts[1]
             probe = min(PROBE_TOKENS, candidate.max_drafts)
-            if idle < PROBE_EVERY or probe <= 0:
+            if idle < PROBE_EVERY or probe <= 0 or candidate.gains is not None:  # known gains need no probe
                 continue
             drafted = sum(lengths.values()) + probe
-            tokens = sampling_rows + sum(self._expected(r, k) for r, k in lengths.items()) + self._expected(
-                request_id, probe)
+            known = {c.request_id: c.gains for c in candidates}
+            tokens = sampling_rows + sum(self._expected(r, k, known.get(r)) for r, k in lengths.items()) + \
+                self._expected(request_id, probe)
             seconds = self.forward_cost(base_tokens + drafted) + self.round_draft_seconds([*lengths.values(), probe])
             if tokens / max(seconds, 1e-9) >= (1 - PROBE_LOSS) * best:
                 lengths[request_id], self.idle[request_id] = probe, 0
                 return
 
-    def _expected(self, request_id: int, drafts: int) -> float:
-        """Expected accepted drafts of ``drafts`` (the next token is counted in ``sampling_rows``)."""
+    def _expected(self, request_id: int, drafts: int, gains: tuple[float, ...] | None = None) -> float:
+        """Expected accepted drafts of ``drafts`` (the next token is counted in ``sampling_rows``), from the
+        request's known ``gains`` when its drafter gave them."""
         if drafts <= 0:
             return 0.0
+        if gains is not None:
+            return sum(gains[:drafts])
         alpha = self.alpha(request_id)
         return alpha * (1 - alpha**drafts) / (1 - alpha)
 

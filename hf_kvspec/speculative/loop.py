@@ -41,7 +41,7 @@ from hf_kvspec.speculative.preflight import (
     check_tree_support,
     rows_may_leave,
 )
-from hf_kvspec.speculative.rounds import cap_depth, is_tree, plan_round
+from hf_kvspec.speculative.rounds import cap_proposal, is_tree, plan_round
 from hf_kvspec.speculative.rows import ActiveRows
 from hf_kvspec.speculative.stats import AcceptanceStats
 from hf_kvspec.speculative.verify import VerifyResult
@@ -238,7 +238,7 @@ class SpeculativeDecoder:
             proposal = self.assistant.propose(ctx)
         if is_tree(proposal):
             check_tree_support(self.model, self.sliding)
-        return cap_depth(proposal, max_depth)
+        return cap_proposal(proposal, max_depth)
 
     def _routing(self, plan):
         """The decode kernels' routing around a verify forward of several rows (drafts, or more than one live

@@ -78,19 +78,22 @@ def is_tree(proposal: DraftProposal) -> bool:
     return not is_chain(proposal.parents, proposal.tokens.shape[1])
 
 
-def cap_depth(proposal: DraftProposal, max_depth: int) -> DraftProposal:
-    """``proposal`` [A, N] with no path deeper than ``max_depth`` drafts: unchanged when it fits, else its first
-    ``max_depth`` nodes (a prefix of a topological node list is a tree, at most as deep as it is long). Drafters
-    that read ``DraftContext.max_depth`` fit already; this guards the others against overshooting max_length."""
+def cap_proposal(proposal: DraftProposal, max_depth: int, max_nodes: int | None = None) -> DraftProposal:
+    """``proposal`` [A, N] with no path deeper than ``max_depth`` drafts and at most ``max_nodes`` nodes: unchanged
+    when it fits, else its first nodes (a prefix of a topological node list is a tree, at most as deep as it is
+    long). Drafters that read ``DraftContext.max_depth`` fit already; this guards the others against overshooting
+    max_length, and the engine's against overshooting the slots a request was granted."""
     count = proposal.tokens.shape[1]
-    if count <= max_depth:
+    keep = count if max_nodes is None else min(count, max_nodes)
+    if keep > max_depth:
+        parents = proposal.parents
+        deep = parents is None or int(tree_depth(parents[..., :keep]).max()) > max_depth
+        keep = max_depth if deep else keep
+    if keep == count:
         return proposal
-    parents = proposal.parents
-    if parents is not None and int(tree_depth(parents).max()) <= max_depth:
-        return proposal
-    probs = proposal.probs
-    return DraftProposal(proposal.tokens[:, :max_depth], None if probs is None else probs[:, :max_depth],
-                         None if parents is None else parents[..., :max_depth], proposal.draft_forwards)
+    probs, parents = proposal.probs, proposal.parents
+    return DraftProposal(proposal.tokens[:, :keep], None if probs is None else probs[:, :keep],
+                         None if parents is None else parents[..., :keep], proposal.draft_forwards)
 
 
 def plan_round(proposal: DraftProposal) -> ChainRound | TreeRound:
@@ -119,8 +122,9 @@ class ChainRound:
         # logits [A, N + 1, V] -> processed float32 scores; position t follows the first t drafts
         return processor(history, self.proposal.tokens, logits)
 
-    def verify(self, scores: torch.Tensor, do_sample: bool, rule: AcceptanceRule | None = None) -> VerifyResult:
-        return _verify(self.proposal, None, scores, do_sample, rule)
+    def verify(self, scores: torch.Tensor, do_sample: bool, rule: AcceptanceRule | None = None,
+               generator: torch.Generator | None = None) -> VerifyResult:
+        return _verify(self.proposal, None, scores, do_sample, rule, generator)
 
     def keep(self, cache, start: int, accepted_nodes: torch.Tensor, longest: int, sliding: bool) -> None:
         """Crop the drafts past the longest kept path (``start``/``accepted_nodes`` are implied by the chain)."""
@@ -132,6 +136,11 @@ class ChainRound:
     def path_hidden(self, hidden: torch.Tensor | None, accepted_nodes: torch.Tensor, longest: int):
         """[A, N + 1, H] unchanged: row i's newest feature is ``hidden[i, num_accepted[i]]``."""
         return hidden
+
+    def kept_columns(self, accepted_nodes: torch.Tensor) -> torch.Tensor:
+        """``[A, 1 + k]`` columns of the verified segment that stay (the root, then the accepted path): for a
+        chain the first ``1 + k``."""
+        return keep_indices(accepted_nodes)
 
 
 class TreeRound:
@@ -158,12 +167,17 @@ class TreeRound:
     def scores(self, processor: PositionwiseProcessor, history: History, logits: torch.Tensor) -> torch.Tensor:
         return path_scores(processor, history, self.tree, logits)
 
-    def verify(self, scores: torch.Tensor, do_sample: bool, rule: AcceptanceRule | None = None) -> VerifyResult:
-        return _verify(self.proposal, self.tree.shared_parents(), scores, do_sample, rule)
+    def verify(self, scores: torch.Tensor, do_sample: bool, rule: AcceptanceRule | None = None,
+               generator: torch.Generator | None = None) -> VerifyResult:
+        return _verify(self.proposal, self.tree.shared_parents(), scores, do_sample, rule, generator)
 
     def keep(self, cache, start: int, accepted_nodes: torch.Tensor, longest: int, sliding: bool) -> None:
         """Keep the root and each row's accepted path (``accepted_nodes`` [A, D]) at columns ``start..``."""
         keep_positions(cache, start, keep_indices(accepted_nodes[:, :longest]))
+
+    def kept_columns(self, accepted_nodes: torch.Tensor) -> torch.Tensor:
+        """``[A, 1 + k]`` columns of the verified segment that stay (the root, then the accepted path)."""
+        return keep_indices(accepted_nodes)
 
     def path_hidden(self, hidden: torch.Tensor | None, accepted_nodes: torch.Tensor, longest: int):
         """[A, N + 1, H] in node order -> [A, 1 + longest, H] along each row's path (root first)."""
@@ -174,15 +188,23 @@ class TreeRound:
 
 
 def _verify(proposal: DraftProposal, parents, scores: torch.Tensor, do_sample: bool,
-            rule: AcceptanceRule | None) -> VerifyResult:
+            rule: AcceptanceRule | None, generator: torch.Generator | None = None) -> VerifyResult:
     """Greedy: the deepest path equal to the target's argmax (always exact). Sampling: speculative sampling
-    (exact), or a drafter's own ``rule`` (a lossy one such as Medusa's typical acceptance, asked for by name)."""
+    (exact), or a drafter's own ``rule`` (a lossy one such as Medusa's typical acceptance, asked for by name),
+    drawing from ``generator`` (a request's own; its draws run on the generator's device)."""
+    draft_tokens = proposal.tokens.to(scores.device)
     if not do_sample:
-        return greedy_verify(proposal.tokens, scores.argmax(dim=-1), parents)
+        return greedy_verify(draft_tokens, scores.argmax(dim=-1), parents)
     target_probs = torch.softmax(scores, dim=-1)  # [A, N + 1, V]
     if rule is not None and proposal.tokens.shape[1]:  # no drafts: a plain sample from the target, any rule
-        return rule(proposal.tokens, target_probs, parents, None)
-    return rejection_verify(proposal.tokens, target_probs, proposal.probs, parents)
+        return rule(draft_tokens, target_probs, parents, generator)
+    draft_probs = proposal.probs
+    if generator is not None and generator.device != target_probs.device:
+        device = generator.device
+        target_probs, draft_tokens = target_probs.to(device), draft_tokens.to(device)
+        draft_probs = None if draft_probs is None else draft_probs.to(device)
+        parents = None if parents is None else parents.to(device)
+    return rejection_verify(draft_tokens, target_probs, draft_probs, parents, generator)
 
 
 # ---------------------------------------------------------------------------------------------- tree tensors

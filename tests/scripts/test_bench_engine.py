@@ -81,3 +81,37 @@ def test_the_engine_with_an_assistant_serves_every_request_like_generate(bench):
     for row in report.rows:
         assert row["completed"] == len(prompts) and row["output_tokens"] == expected_tokens, row
         assert row["same_as_engine"] == len(prompts), row
+
+
+def test_the_load_sweep_runs_the_suffix_pool_and_the_mixed_drafter(bench):
+    """``engine --workload ... --assistant suffix,suffix+ngram`` on a tiny model: every system serves every request
+    with the plain engine's output, and the pool's columns are filled."""
+    from bench import engine_load
+
+    model = tiny_model("llama")
+    prompts = random_prompts([5, 17, 9], seed=9, vocab=12)
+    args = args_for(bench, ["--max-new-tokens", "8", "--systems", "engine", "--assistant", "suffix,suffix+ngram",
+                            "--max-tokens-per-round", "32", "--kv-budget", "64"])
+    args.kv_budget = 64  # blocks
+    runs = engine_load.systems(model, None, args, eos_ids={2})
+    rows = engine_load.run_cell(runs, "tiny", "C=2", 2, prompts, bench.arrival_times(3, None))
+    assert [r["system"] for r in rows] == ["engine", "engine+suffix", "engine+suffix+ngram"]
+    for row in rows:
+        assert row["completed"] == 3 and row["same_as_engine"] == 3, row
+    assert all("pool_kib" in r and "hit_rate" in r for r in rows[1:]) and "by_pool" in rows[2]
+
+
+def test_the_workloads_are_committed_and_well_formed():
+    sys.path.insert(0, str(SCRIPTS))
+    from bench import workloads
+
+    root = SCRIPTS.parent
+    for name in workloads.WORKLOADS:
+        lines = (root / workloads.DIRECTORY / f"{name}.jsonl").read_text().splitlines()
+        assert len(lines) == workloads.COUNT, name
+        assert all(json.loads(line)["messages"][-1]["role"] == "user" for line in lines)
+    function = workloads.code_function(__import__("random").Random(0))
+    assert len(function.splitlines()) == 40
+    compile(function, "<workload>", "exec")  # the code-edit functions are valid Python
+    with pytest.raises(ValueError, match="workloads are"):
+        workloads.load("poems", 1)

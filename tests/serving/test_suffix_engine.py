@@ -5,6 +5,8 @@ the pool, and bad mixes are refused by name."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from hf_kvspec.serving.engine import Engine
@@ -127,3 +129,29 @@ def test_the_mixed_drafter_uses_both_sources_and_stays_exact(llama):
 def test_bad_mixes_are_refused_by_name(llama, assistant, message):
     with pytest.raises(ValueError, match=message):
         Engine(llama, kv_budget=64, block_size=4, assistant=assistant)
+
+
+def test_the_servers_cache_salt_names_the_tenant(llama):
+    """Over HTTP: ``cache_salt`` reaches the engine, so a tenant's repeated request drafts its earlier answer, and
+    another tenant's does not; an empty salt is a 400 naming the field."""
+    from .server_harness import RunningServer, tiny_tokenizer
+
+    engine = Engine(llama, tiny_tokenizer(), draft_lengths="fixed", kv_budget=256, block_size=4,
+                    max_tokens_per_round=64, max_running=4, assistant=SuffixAssistant(pool=SuffixPool(), min_prob=0.05))
+    prompt = "t7 t19 t33 t41 t8 t60 t12 t77 t20 t51 t64"
+    with RunningServer(engine) as server:
+        client = server.client()
+
+        def tau(salt):
+            response = client.completions.create(model="tiny", prompt=prompt, max_tokens=24, temperature=0,
+                                                 extra_body={"cache_salt": salt})
+            return response.kvspec["choices"][0]["tau"], response.choices[0].text
+
+        first, text = tau("alpha")
+        again, again_text = tau("alpha")
+        other, other_text = tau("beta")
+        assert text == again_text == other_text
+        assert again > 4 > other, (first, again, other)
+        status, _, body = server.raw("POST", "/v1/completions",
+                                     json.dumps({"model": "tiny", "prompt": prompt, "cache_salt": ""}))
+        assert status == 400 and b"cache_salt" in body
