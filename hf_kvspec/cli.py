@@ -490,7 +490,8 @@ def _add_batch(subparsers) -> None:
                    help="speculative decoding inside the rounds: ngram | suffix (drafts from every earlier prompt "
                         "and output of the run) | eagle | medusa (the bundled heads) | self-int8 | self-int4 (drafts "
                         "from a quantized copy, batched across requests) | draft:<causal LM dir> | "
-                        "draft:truncated:<N> | suffix+<one of these> (per request, whichever pays); each request's "
+                        "draft:truncated:<N> | suffix+<one of these> (per request, whichever pays) | auto (suffix, "
+                        "plus the bundled EAGLE head where it fits the model); each request's "
                         "drafts are chosen per round from load (none where drafting would not pay)")
     p.add_argument("--num-draft-tokens", type=_count(1), default=None,
                    help="with --assistant: drafts (tree nodes) per request per round at most (default: ngram and "
@@ -536,6 +537,8 @@ def _batch_assistant_problem(spec: str) -> str | None:
     KV: they draft on a cache of their own request's, and the engine's is shared)."""
     from hf_kvspec.speculative.assistants import HEAD_ASSISTANTS
 
+    if spec == "auto":  # the suffix pool, with the bundled EAGLE head where it fits the model
+        return None
     if "+" in spec:
         parts = spec.split("+")
         if len(parts) != 2 or parts.count("suffix") != 1 or "self-int8" in parts or "self-int4" in parts:
@@ -561,7 +564,7 @@ def _run_batch(args) -> None:
     requests = [r for r in args.requests if r["id"] not in done]  # checked by _check_batch, before the model
     torch.set_num_threads(args.threads)
     model, tokenizer = load_bundled_model(args.model)
-    assistant, pool = _engine_assistant(args)
+    assistant, pool = _engine_assistant(args, model)
     engine = Engine(model, tokenizer, kv_budget=args.kv_budget, block_size=args.block_size,
                     max_tokens_per_round=args.max_tokens_per_round, max_running=args.max_running,
                     enable_prefix_caching=not args.no_prefix_caching, assistant=assistant,
@@ -621,7 +624,7 @@ def _add_pool_options(p, shared_by_default: bool) -> None:
 
 
 def _check_pool_options(parser, args) -> None:
-    uses_pool = args.assistant is not None and "suffix" in args.assistant.split("+")
+    uses_pool = args.assistant is not None and ("suffix" in args.assistant.split("+") or args.assistant == "auto")
     given = [flag for flag, value in (("--warm-pool", args.warm_pool), ("--save-pool", getattr(args, "save_pool", None)),
                                       ("--pool-mib", args.pool_mib != 64)) if value]
     if given and not uses_pool:
@@ -631,10 +634,16 @@ def _check_pool_options(parser, args) -> None:
         parser.error(f"--warm-pool {args.warm_pool}: no such file.")
 
 
-def _engine_assistant(args):
+def _engine_assistant(args, model):
     """(the Engine's ``assistant``, the suffix pool or None): ``--assistant`` with the pool options applied."""
-    if args.assistant is None or "suffix" not in args.assistant.split("+"):
-        return args.assistant, None
+    spec = args.assistant
+    if spec == "auto":
+        from hf_kvspec.serving.round_drafts import auto_assistants
+
+        parts = auto_assistants(model)
+        spec = parts if isinstance(parts, str) else "+".join(parts)
+    if spec is None or "suffix" not in spec.split("+"):
+        return spec, None
     from hf_kvspec.serving.suffix_drafting import warm_pool
     from hf_kvspec.speculative.drafters.suffix import SuffixAssistant
     from hf_kvspec.speculative.suffix_pool import SuffixPool
@@ -643,7 +652,7 @@ def _engine_assistant(args):
     pool = SuffixPool(max_bytes=args.pool_mib << 20, share_unsalted=shared)
     if args.warm_pool is not None:
         print(f"suffix pool: {warm_pool(pool, args.warm_pool)} sequences from {args.warm_pool}", file=sys.stderr)
-    parts = [SuffixAssistant(pool=pool) if part == "suffix" else part for part in args.assistant.split("+")]
+    parts = [SuffixAssistant(pool=pool) if part == "suffix" else part for part in spec.split("+")]
     return (parts[0] if len(parts) == 1 else parts), pool
 
 
@@ -739,7 +748,7 @@ def _run_serve(args) -> None:
 
         model = AutoModelForCausalLM.from_pretrained(args.model).eval()
         tokenizer = AutoTokenizer.from_pretrained(args.model)
-    assistant, _ = _engine_assistant(args)
+    assistant, _ = _engine_assistant(args, model)
     engine_kwargs = {"assistant": assistant} if assistant is not None else {}
     engine = Engine(model, tokenizer, kv_budget=args.kv_budget, block_size=args.block_size,
                     max_tokens_per_round=args.max_tokens_per_round, max_running=args.max_running,

@@ -90,9 +90,10 @@ class Engine:
         assistant: speculative decoding inside the rounds (``speculation.py``): an ``Assistant`` (ngram, a draft
             model, Medusa, EAGLE, the suffix pool, self-int8) or a spec string (``"ngram"``, ``"suffix"``,
             ``"eagle"``, ``"medusa"``, ``"self-int8"``, ``"draft:<dir>"``); or the suffix pool and one model drafter,
-            chosen per request and round (``["suffix", "eagle"]`` or ``"suffix+eagle"``, ``mixed_drafting.py``).
+            chosen per request and round (``["suffix", "eagle"]`` or ``"suffix+eagle"``, ``mixed_drafting.py``);
+            ``"auto"``: the suffix pool with the bundled EAGLE head where it was trained for this model, else alone.
         num_draft_tokens: drafts (tree nodes) per request per round at most; default the assistant's own size
-            (``drafting.AUTO_DRAFT_TOKENS`` for ``"auto"``). The token budget may grant fewer.
+            (``drafting.AUTO_DRAFT_TOKENS`` where its size is ``"auto"``). The token budget may grant fewer.
         draft_lengths: ``"goodput"`` (default): each round gives each drafting request the K in
             ``0 .. num_draft_tokens`` that maximises the round's expected tokens per second, from measured costs and
             acceptance (``draft_budget.py``); ``"fixed"``: every decoding request drafts ``num_draft_tokens`` (the

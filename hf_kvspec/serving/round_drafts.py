@@ -44,6 +44,8 @@ def make_drafters(assistant, model, cache, num_draft_tokens: int | None, step_se
     """The engine's drafter for ``assistant`` (an ``Assistant``, a spec string, or two of them as a list or
     ``"suffix+<spec>"``: the suffix pool and a model drafter, chosen per request), refused by name if it cannot
     run exactly inside the engine."""
+    if assistant == "auto":
+        assistant = auto_assistants(model)
     parts = assistant.split("+") if isinstance(assistant, str) and "+" in assistant else assistant
     if isinstance(parts, (list, tuple)):
         return _mixed(parts, model, cache, num_draft_tokens, step_seconds)
@@ -56,6 +58,20 @@ def make_drafters(assistant, model, cache, num_draft_tokens: int | None, step_se
     check_assistant(assistant, sliding=any(layer.is_sliding for layer in cache.layers))
     pad = model.generation_config.pad_token_id
     return Drafters(assistant, model, num_draft_tokens, pad if isinstance(pad, int) else 0)
+
+
+def auto_assistants(model) -> list[str] | str:
+    """``assistant="auto"``: the suffix pool and the bundled EAGLE head when the head was trained for ``model``,
+    else the suffix pool alone (it needs no model of its own)."""
+    from hf_kvspec.heads.bundled import bundled_heads_path
+    from hf_kvspec.heads.configuration import EagleConfig
+    from hf_kvspec.heads.pairing import BaseModelMismatchError, check_base_model
+
+    try:
+        check_base_model(EagleConfig.from_pretrained(bundled_heads_path("eagle")), model)
+    except (BaseModelMismatchError, OSError, TypeError):
+        return "suffix"
+    return ["suffix", "eagle"]
 
 
 def _mixed(parts, model, cache, num_draft_tokens: int | None, step_seconds) -> MixedDrafters:

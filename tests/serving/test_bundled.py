@@ -57,13 +57,16 @@ def test_cli_batch_end_to_end(bundled, tmp_path, capsys):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("assistant", ["eagle", "ngram"])
+@pytest.mark.parametrize("assistant", ["eagle", "ngram", "auto"])
 def test_speculating_engine_equals_generate_on_the_bundled_model(bundled, assistant):
-    """The bundled EAGLE head (trees, features captured on the packed forward) and n-gram (chains) inside the
-    engine: every chat request's output is its own greedy ``generate``, drafts are accepted."""
+    """The bundled EAGLE head (trees, features captured on the packed forward), n-gram (chains) and ``"auto"``
+    (the suffix pool mixed with the EAGLE head, which fits this model) inside the engine: every chat request's
+    output is its own greedy ``generate``, drafts are accepted."""
     model, tokenizer = bundled
     chats = [[{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}] for q in QUESTIONS]
     engine = Engine(model, tokenizer, kv_budget="64MB", max_tokens_per_round=64, max_running=4, assistant=assistant)
+    if assistant == "auto":
+        assert type(engine.drafts.drafters).__name__ == "MixedDrafters"
     first = engine.add_request(chats[0], max_new_tokens=32)
     engine.step()
     ids = [first] + [engine.add_request(chat, max_new_tokens=32) for chat in chats[1:]]

@@ -121,6 +121,11 @@ def test_the_mixed_drafter_uses_both_sources_and_stays_exact(llama):
     assert_pool_full(engine)
 
 
+def test_auto_is_the_pool_alone_where_the_bundled_head_does_not_fit(llama):
+    engine = Engine(llama, kv_budget=64, block_size=4, assistant="auto")
+    assert isinstance(engine.drafts.drafters, SuffixDrafters)
+
+
 @pytest.mark.parametrize("assistant, message", [
     (["ngram", "suffix", "suffix"], "two assistants are the suffix pool and one model drafter"),
     (["ngram", "eagle"], "two assistants are the suffix pool and one model drafter"),
