@@ -173,7 +173,7 @@ class Drafters:
         """``request``'s round verdict for its session (``DraftSession.observe``)."""
         self.sessions[request.request_id].observe(kept_width, num_accepted, num_draft, path_features, accepted_nodes)
 
-    def expected_gains(self, request: Request, limit: int) -> None:
+    def expected_gains(self, request: Request, limit: int, rows: int = 1) -> None:
         return None  # drafts are made after the plan: K comes from the request's running acceptance
 
     def gather(self, request: Request, features: torch.Tensor | None) -> None:

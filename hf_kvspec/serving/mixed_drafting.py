@@ -5,17 +5,22 @@ arXiv 2411.04975, with the choice made from each request's own measured acceptan
 Boundary: the choice. Drafting is ``suffix_drafting.py``'s and ``drafting.py``'s; K is the draft budget's
 (``draft_budget.py``); verifying and keeping is the round's.
 
-Each round a drafting request with K slots first looks up the pool (cheap: no model). Then, per request:
+Before the plan each drafting request looks up the pool (cheap: no model) for a draft as long as its limit, and
+its source is chosen then, per request, for a round of S decoding requests whose forward takes ``step`` seconds:
 
     suffix    expected accepted drafts  E_s = rho * (the pool draft's own estimate: the sum of its nodes' shares)
     model     expected accepted drafts  E_m = a + a^2 + ... + a^K, at the request's acceptance a of model drafts
-    choice    the model's drafts when  (1 + E_m) * step / (step + d_m)  >  1 + E_s,  else the pool's
+    choice    the model's drafts when  (S + E_m) / (step + d_m)  >  (S + E_s) / step,  else the pool's
 
-``rho`` is the request's measured ratio of accepted to estimated pool drafts and ``a`` its per-draft acceptance
-of model drafts, each decayed and started from the pooled figure of all requests (worth ``PRIOR_WEIGHT`` rounds);
-``d_m`` is the model drafter's measured seconds per request call and ``step`` the round forward's measured seconds.
-Both drafters see every round, whoever drafted (a feature drafter needs the target's features of every committed
-column; the pool needs the text), so switching costs nothing.
+that is, the round's tokens per second with this request drafting from one source or the other: a model draft
+call of ``d_m`` seconds delays every row of the round, a lookup none. ``rho`` is the request's measured ratio of
+accepted to estimated pool drafts (``SuffixDrafters.ratio``) and ``a`` its per-draft acceptance of model drafts,
+each decayed and started from the pooled figure of all requests (worth ``PRIOR_WEIGHT`` rounds); ``d_m`` is the
+model drafter's measured seconds per request call and ``step`` the round forward's measured seconds. A request
+drafting from the pool gives the draft budget its gains (its lookup's cost is sunk, as for the pool alone); one
+drafting from the model gives none (the budget uses its measured acceptance and the model's measured draft cost,
+which only model calls feed). Both drafters see every round, whoever drafted (a feature drafter needs the
+target's features of every committed column; the pool needs the text), so switching costs nothing.
 """
 
 from __future__ import annotations
@@ -47,11 +52,10 @@ class MixedDrafters:
         self.suffix, self.model, self.step_seconds = suffix, model, step_seconds
         self.assistant, self.feature_layers = model.assistant, model.feature_layers
         self.pool = suffix.pool
-        self.suffix_ratio = Ratio(prior=1.0)  # accepted / estimated pool drafts
         self.model_alpha = Ratio(prior=0.6)  # accepted / offered model drafts, per draft position
         self.model_seconds = 0.0  # decayed mean of a model drafter call
+        self.planned: dict[int, str] = {}  # request id -> the source chosen before this round's plan
         self.source: dict[int, str] = {}  # request id -> who drafted its row this round
-        self.expected: dict[int, float] = {}  # request id -> the pool draft's own estimate, when the pool drafted
         self.drafted_by = {"suffix": 0, "model": 0}
 
     # ---- sessions ----------------------------------------------------------------------------------------
@@ -64,8 +68,14 @@ class MixedDrafters:
     def gather(self, request: Request, features) -> None:
         self.model.gather(request, features)
 
-    def expected_gains(self, request: Request, limit: int) -> None:
-        return None  # the source is chosen after the plan: K comes from the request's running acceptance
+    def expected_gains(self, request: Request, limit: int, rows: int = 1) -> tuple[float, ...] | None:
+        """Before the plan: the pool's gains for ``request`` when its pool draft wins in a round of ``rows``
+        decoding requests (module docstring), None when the model's drafts promise more (K then comes from its
+        measured acceptance)."""
+        draft = self.suffix.preview(request, limit)
+        model = self._model_pays(request, limit, draft.expected, rows)
+        self.planned[request.request_id] = "model" if model else "suffix"
+        return None if model else self.suffix.gains(request, draft)
 
     def start(self, request: Request) -> None:
         self.suffix.start(request)
@@ -75,64 +85,52 @@ class MixedDrafters:
     def drop(self, request: Request) -> None:
         self.suffix.drop(request)
         self.model.drop(request)
-        for table in (self.source, self.expected):
+        for table in (self.planned, self.source):
             table.pop(request.request_id, None)
-        self.suffix_ratio.forget(request.request_id)
         self.model_alpha.forget(request.request_id)
 
     def observe(self, request: Request, kept_width: int, num_accepted: int, num_draft: int, path_features,
                 accepted_nodes: torch.Tensor) -> None:
-        """Both drafters see the round; the source that drafted learns its acceptance."""
-        self.suffix.observe(request)
+        """Both drafters see the round; the source that drafted learns its acceptance (the pool its ratio)."""
+        self.suffix.observe(request, kept_width, num_accepted)
         if self.model.has_session(request):
             self.model.observe(request, kept_width, num_accepted, num_draft, path_features, accepted_nodes)
         else:  # a feature drafter's session begins once the request has fed a column
             self.model.gather(request, path_features[0] if path_features is not None else None)
             self.model.start(request)
-        source = self.source.pop(request.request_id, None)
-        if source == "suffix":
-            self.suffix_ratio.add(request.request_id, num_accepted, self.expected.pop(request.request_id))
-        elif source == "model" and num_draft:
+        if self.source.pop(request.request_id, None) == "model" and num_draft:
             self.model_alpha.add(request.request_id, num_accepted, min(num_accepted + 1, num_draft))
 
     # ---- drafting ----------------------------------------------------------------------------------------
     def propose_rows(self, entries: list[tuple[Request, int]], record=None) -> list[DraftProposal]:
-        """Each ``(request, count)``'s proposal from the source the module docstring's rule picks."""
-        proposals: dict[int, DraftProposal] = {}
-        to_model = []
+        """Each ``(request, count)``'s proposal from the source chosen before the plan (or now, by the same rule,
+        when there was no plan: fixed draft lengths). ``record`` gets the model's calls only (a lookup's time is
+        sunk)."""
+        to_pool, to_model = [], []
         for request, count in entries:
-            started = time.perf_counter()
-            pooled = self.suffix.propose(request, count)
-            draft = self.suffix.last[request.request_id]
-            if self._model_pays(request, count, draft.expected):
-                to_model.append((request, count))
-                continue
-            proposals[request.request_id] = pooled
-            self._chose(request, "suffix", draft.expected if draft.tokens else None)
-            if record is not None:
-                record(count, time.perf_counter() - started)
+            planned = self.planned.pop(request.request_id, None)
+            if planned is None:
+                pays = self._model_pays(request, count, self.suffix.preview(request, count).expected, len(entries))
+                planned = "model" if pays else "suffix"
+            (to_model if planned == "model" else to_pool).append((request, count))
+        proposals = dict(zip((r.request_id for r, _ in to_pool), self.suffix.propose_rows(to_pool)))
+        self.drafted_by["suffix"] += len(to_pool)
         started = time.perf_counter()
         for (request, _), proposal in zip(to_model, self.model.propose_rows(to_model, record)):
             proposals[request.request_id] = proposal
-            self._chose(request, "model", None)
+            self.drafted_by["model"] += 1
+            self.source[request.request_id] = "model"
         if to_model:
             seconds = (time.perf_counter() - started) / len(to_model)
             self.model_seconds = DECAY * self.model_seconds + (1 - DECAY) * seconds if self.model_seconds else seconds
         return [proposals[request.request_id] for request, _ in entries]
 
-    def _model_pays(self, request: Request, count: int, pool_expected: float) -> bool:
+    def _model_pays(self, request: Request, count: int, pool_expected: float, rows: int) -> bool:
         if count <= 0 or not self.model.has_session(request):
             return False
         alpha = min(self.model_alpha(request.request_id), 1 - 1e-6)
         model_expected = alpha * (1 - alpha**count) / (1 - alpha)
         step = self.step_seconds()
         share = step / (step + self.model_seconds) if step > 0 else 1.0
-        return (1 + model_expected) * share > 1 + self.suffix_ratio(request.request_id) * pool_expected
-
-    def _chose(self, request: Request, source: str, expected: float | None) -> None:
-        self.drafted_by[source] += 1
-        if source == "suffix" and expected is None:
-            return  # nothing drafted: a plain row, nothing to learn
-        self.source[request.request_id] = source
-        if expected is not None:
-            self.expected[request.request_id] = expected
+        rows = max(rows, 1)
+        return (rows + model_expected) * share > rows + self.suffix.ratio(request.request_id) * pool_expected

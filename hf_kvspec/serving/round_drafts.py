@@ -113,9 +113,9 @@ class RoundDrafts:
         limits = {r.request_id: self.drafters.draft_limit(r) for r in decoding}
         if self.budget is not None and decoding:
             steps = sum(r.is_decoding for r in running)  # the round's sure tokens, one per decoding request
-            limits = self.budget.plan(steps, steps, [Candidate(r.request_id, limits[r.request_id],
-                                                               self.drafters.expected_gains(r, limits[r.request_id]))
-                                                     for r in decoding])
+            limits = self.budget.plan(steps, steps, [
+                Candidate(r.request_id, limits[r.request_id], self.drafters.expected_gains(r, limits[r.request_id], steps))
+                for r in decoding])
         for request in decoding:
             request.draft_limit = limits[request.request_id]
 

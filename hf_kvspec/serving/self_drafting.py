@@ -75,7 +75,7 @@ class SelfDrafters:
         room = request.settings.max_new_tokens - len(request.output_ids)
         return max(min(self.num_draft_tokens, room - 1), 0)
 
-    def expected_gains(self, request: Request, limit: int) -> None:
+    def expected_gains(self, request: Request, limit: int, rows: int = 1) -> None:
         return None  # drafts are made after the plan: K comes from the request's running acceptance
 
     def gather(self, request: Request, features) -> None:

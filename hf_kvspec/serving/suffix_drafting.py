@@ -101,13 +101,22 @@ class SuffixDrafters:
         if expected:
             self.ratio.add(request.request_id, num_accepted, expected)
 
-    def expected_gains(self, request: Request, limit: int) -> tuple[float, ...]:
+    def expected_gains(self, request: Request, limit: int, rows: int = 1) -> tuple[float, ...]:
         """Before the plan: each node's estimated acceptance in ``request``'s draft of at most ``limit`` nodes,
-        calibrated by the request's ratio (module docstring); the draft is kept for ``propose``."""
-        draft = self._lookup(request, limit)
-        self._previewed[request.request_id] = (request.num_tokens, draft)
+        calibrated by the request's ratio (module docstring); the draft is kept for ``propose``. ``rows``: the
+        round's decoding requests (a lookup's cost is the request's own: unused here)."""
+        return self.gains(request, self.preview(request, limit))
+
+    def gains(self, request: Request, draft: SuffixDraft) -> tuple[float, ...]:
+        """Each node's estimated acceptance in ``draft``, calibrated by ``request``'s measured ratio."""
         ratio = self.ratio(request.request_id)
         return tuple(min(prob * ratio, 1.0) for prob in draft.probs)
+
+    def preview(self, request: Request, limit: int) -> SuffixDraft:
+        """``request``'s draft of at most ``limit`` nodes, looked up now and kept for ``propose``."""
+        draft = self._lookup(request, limit)
+        self._previewed[request.request_id] = (request.num_tokens, draft)
+        return draft
 
     def drop(self, request: Request) -> None:
         """``request`` left: its text stays as its tenant's history (or goes, if the tenant was its own)."""

@@ -23,7 +23,8 @@ row does not do).
 A drafter that knows its proposal before the plan (the suffix pool: a lookup costs microseconds) gives each
 request's marginal gains itself (``Candidate.gains``: the estimated acceptance of each node, best first, already
 calibrated by the request's measured ratio of accepted to estimated drafts); they take the place of
-``alpha_i^k`` for that request, and such a request is never probed (its gains are not a guess).
+``alpha_i^k`` for that request, such a request is never probed (its gains are not a guess), and its ``d_i`` is 0:
+the lookup ran before the plan, so its cost is sunk (only the verify row's work ``v`` counts).
 
 Since each ``E_i`` is concave, the best way to spend m draft tokens is on the m largest marginal gains
 ``alpha_i^k``; ``plan`` walks m = 0, 1, ... over those gains in order and keeps the best m (with a shared draft
@@ -248,7 +249,7 @@ class DraftBudget:
         ``base_tokens`` tokens and sample ``sampling_rows`` tokens."""
         candidates = [c if c.gains is None else c.capped(len(c.gains)) for c in candidates]
         if not self.draft_timed():  # until a draft was timed, short drafts: a first round cannot cost much
-            candidates = [c.capped(PROBE_TOKENS) for c in candidates]
+            candidates = [c.capped(PROBE_TOKENS) if c.gains is None else c for c in candidates]
         gains = sorted(((c.gain(self.alpha(c.request_id), k), c.request_id, k)
                         for c in candidates for k in range(1, c.max_drafts + 1)), reverse=True)
         lengths = dict.fromkeys((c.request_id for c in candidates), 0)
@@ -263,13 +264,13 @@ class DraftBudget:
         self._probe(lengths, candidates, base_tokens, sampling_rows, best)
         return lengths
 
-    def _tables(self, base_tokens: int, candidates: Sequence[Candidate]) -> tuple[list, list, list]:
-        """This round's costs, looked up once: ``f(T0 + m)`` for m drafts, ``d(k)`` per request's k, and (shared)
-        ``g(n)`` for a depth over n rows."""
+    def _tables(self, base_tokens: int, candidates: Sequence[Candidate]) -> tuple[list, list, list, set]:
+        """This round's costs, looked up once: ``f(T0 + m)`` for m drafts, ``d(k)`` per request's k, (shared)
+        ``g(n)`` for a depth over n rows, and the requests whose drafts are sunk (known gains: ``d = 0``)."""
         forward_s = [self.forward_cost(base_tokens + m) for m in range(sum(c.max_drafts for c in candidates) + 1)]
         draft_s = [self.draft_seconds(k) for k in range(max((c.max_drafts for c in candidates), default=0) + 1)]
         step_s = [self.draft_step_seconds(n) for n in range(len(candidates) + 1)] if self.shared_cost else []
-        return forward_s, draft_s, step_s
+        return forward_s, draft_s, step_s, {c.request_id for c in candidates if c.gains is not None}
 
     def _subsets(self, gains, candidates: Sequence[Candidate]):
         """The gain lists the prefix walk runs over. Fixed costs (a verify row's acceptance work, a draft call's
@@ -290,7 +291,7 @@ class DraftBudget:
     def _best_prefix(self, gains, tables: tuple[list, list, list], sampling_rows: int, lengths: dict[int, int]):
         """(m, goodput) of the best prefix of ``gains`` (marginal gain, request id, k), largest first, with this
         round's cost ``tables`` (``_tables``)."""
-        forward_s, draft_s, step_s = tables
+        forward_s, draft_s, step_s, sunk = tables
         row_s = self.verify_row_seconds()
         tokens, seconds_drafting, counts = float(sampling_rows), 0.0, dict(lengths)
         at_depth = [0] * (len(draft_s) + 1)  # shared: requests drafting at each depth
@@ -303,7 +304,7 @@ class DraftBudget:
             if self.shared_cost:  # the k-th draft joins depth k - 1's forward
                 rows = at_depth[k - 1] = at_depth[k - 1] + 1
                 seconds_drafting += step_s[rows] - step_s[rows - 1]
-            else:
+            elif request_id not in sunk:
                 seconds_drafting += draft_s[k] - draft_s[k - 1]
             goodput = tokens / max(forward_s[m] + seconds_drafting, 1e-9)
             if goodput > best:
@@ -329,7 +330,9 @@ class DraftBudget:
             known = {c.request_id: c.gains for c in candidates}
             tokens = sampling_rows + sum(self._expected(r, k, known.get(r)) for r, k in lengths.items()) + \
                 self._expected(request_id, probe)
-            seconds = self.forward_cost(base_tokens + drafted) + self.round_draft_seconds([*lengths.values(), probe])
+            paid = [k for r, k in lengths.items() if known.get(r) is None]
+            seconds = self.forward_cost(base_tokens + drafted) + self.round_draft_seconds([*paid, probe]) + \
+                sum(k > 0 and known.get(r) is not None for r, k in lengths.items()) * self.verify_row_seconds()
             if tokens / max(seconds, 1e-9) >= (1 - PROBE_LOSS) * best:
                 lengths[request_id], self.idle[request_id] = probe, 0
                 return

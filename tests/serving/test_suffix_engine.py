@@ -121,6 +121,35 @@ def test_the_mixed_drafter_uses_both_sources_and_stays_exact(llama):
     assert_pool_full(engine)
 
 
+def test_the_mixed_drafter_chooses_its_source_before_the_plan(llama):
+    """Under the goodput choice the source is chosen before the plan: a request whose pool draft wins gives the
+    budget the pool's gains (its lookup is sunk), one whose model drafts promise more gives none (the budget then
+    uses its acceptance); outputs stay greedy's."""
+    prompt = random_prompts([12], seed=4, vocab=VOCAB)[0]
+    engine = Engine(llama, kv_budget=256, block_size=4, max_tokens_per_round=48, max_running=2,
+                    assistant=[SuffixAssistant(pool=SuffixPool(share_unsalted=True), min_prob=0.05),
+                               DraftModelAssistant(llama, num_draft_tokens=3)])
+    first = engine.add_request(prompt, max_new_tokens=20)
+    run_to_end(engine)
+    again = engine.add_request(prompt, max_new_tokens=20)
+    engine.step()  # prefill: the request starts decoding, its pool and model sessions begin
+    request = engine.scheduler.running[0]
+    mixed = engine.drafts.drafters
+    mixed.model_alpha.requests[again] = [0.0, 100.0]  # the model's drafts are never accepted: the pool's win
+    gains = mixed.expected_gains(request, 4, 1)
+    assert gains and all(0 < g <= 1 for g in gains) and mixed.planned[again] == "suffix"
+    mixed.model_alpha.requests[again], mixed.suffix.ratio.requests[again] = [100.0, 100.0], [0.0, 100.0]
+    mixed.model_seconds = 0.0  # a free model accepted every time against a pool that never is
+    assert mixed.expected_gains(request, 4, 1) is None and mixed.planned[again] == "model"
+    mixed.model_seconds = engine.drafts.step  # a model call as long as the round's forward: it delays every row,
+    assert mixed.expected_gains(request, 4, 1) is None  # which pays for one row (5 tokens in 2 steps, not 1 in 1)
+    assert mixed.expected_gains(request, 4, 16) is not None  # but not for sixteen (20 in 2 steps, not 16 in 1)
+    run_to_end(engine)
+    assert engine.get_output(again).output_ids == engine.get_output(first).output_ids == \
+        greedy_reference(llama, prompt, 20)
+    assert_pool_full(engine)
+
+
 def test_auto_is_the_pool_alone_where_the_bundled_head_does_not_fit(llama):
     engine = Engine(llama, kv_budget=64, block_size=4, assistant="auto")
     assert isinstance(engine.drafts.drafters, SuffixDrafters)

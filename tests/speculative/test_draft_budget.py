@@ -69,12 +69,15 @@ def test_the_plan_is_as_good_as_every_combination_of_lengths(curve, alphas, draf
             assert _goodput(budget, lengths, base, sampling) == pytest.approx(best, rel=1e-9)
 
 
-@pytest.mark.parametrize("curve", [lambda t: 0.03 + 0.0015 * t, lambda t: 0.03 + 0.0004 * t * t])
-def test_known_gains_take_the_place_of_the_acceptance_estimate(curve):
+@pytest.mark.parametrize(("curve", "draft"), [(lambda t: 0.03 + 0.0015 * t, None),
+                                              (lambda t: 0.03 + 0.0004 * t * t, None),
+                                              (lambda t: 0.03 + 0.0015 * t, lambda k: 0.004 + 0.003 * k)])
+def test_known_gains_take_the_place_of_the_acceptance_estimate(curve, draft):
     """A drafter that knows its proposals (the suffix pool) gives each draft's gain: the plan equals a brute-force
-    search whose expected tokens are those gains, a request is never given more drafts than it has gains, and a
-    request with known gains is never probed."""
-    budget = _budget(curve, [0.5, 0.5, 0.5])
+    search whose expected tokens are those gains and whose draft seconds leave out their requests' (the lookup ran
+    before the plan: sunk), a request is never given more drafts than it has gains, and a request with known gains
+    is never probed."""
+    budget = _budget(curve, [0.5, 0.5, 0.5], draft)
     known = {0: (1.0, 0.95, 0.9, 0.3), 1: (0.4, 0.1), 2: ()}
     candidates = [Candidate(0, 6, known[0]), Candidate(1, 6, known[1]), Candidate(2, 6, known[2]), Candidate(3, 3)]
     budget.requests[3] = [300.0, 700.0]  # alpha 0.3, no gains: the estimate as before
@@ -82,7 +85,8 @@ def test_known_gains_take_the_place_of_the_acceptance_estimate(curve):
     def goodput(lengths):
         tokens = 3 + sum(budget._expected(r, k, known.get(r)) for r, k in lengths.items())
         rows = sum(k > 0 for k in lengths.values()) * budget.verify_row_seconds()
-        return tokens / (budget.forward_cost(3 + sum(lengths.values())) + rows)
+        drafting = sum(budget.draft_seconds(k) for r, k in lengths.items() if r not in known)
+        return tokens / (budget.forward_cost(3 + sum(lengths.values())) + rows + drafting)
 
     lengths = budget.plan(3, 3, candidates)
     assert lengths[2] == 0 and lengths[1] <= 2 and lengths[0] <= 4
@@ -91,6 +95,16 @@ def test_known_gains_take_the_place_of_the_acceptance_estimate(curve):
     assert goodput(lengths) == pytest.approx(best, rel=1e-9)
     for _ in range(3 * draft_budget.PROBE_EVERY):  # never probed, however long it idles
         assert budget.plan(3, 3, [Candidate(2, 6, ())])[2] == 0
+
+
+def test_known_gains_are_not_held_to_short_drafts_before_a_draft_was_timed():
+    """Until a draft call was timed, guessed drafts are capped at ``PROBE_TOKENS``; known gains (a lookup already
+    made) are not: a flat forward grants every gain."""
+    budget = DraftBudget(decay=1.0)
+    for tokens in range(1, 65):
+        budget.record_forward(tokens, 0.03)
+    lengths = budget.plan(1, 1, [Candidate(0, 6, (0.9,) * 6), Candidate(1, 6)])
+    assert not budget.draft_timed() and lengths == {0: 6, 1: draft_budget.PROBE_TOKENS}
 
 
 def test_a_steep_forward_means_no_drafts_and_a_flat_one_means_all_of_them():
