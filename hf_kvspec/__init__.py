@@ -80,6 +80,7 @@ _EXPORTS: dict[str, str] = {
     "Engine": "hf_kvspec.serving.engine",
     "RequestTooLongError": "hf_kvspec.serving.request",
     "RequestFailedError": "hf_kvspec.serving.request",
+    "TokenLogprob": "hf_kvspec.serving.logprobs",
     "SchedulingPolicy": "hf_kvspec.serving.scheduler",
 }
 

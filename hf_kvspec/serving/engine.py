@@ -49,7 +49,7 @@ from .prompts import Prompt, check_vocabulary, make_settings, prompt_ids, settin
 from .request import FinishReason, Request, RequestDelta, RequestFailedError, RequestOutput, RequestTooLongError
 from .round_drafts import RoundDrafts, check_draft_lengths
 from .runner import ForwardRow, ForwardRunner
-from .sampling import finish_reason, next_token
+from .sampling import choose, finish_reason
 from .scheduler import RoundPlan, ScheduledRow, Scheduler, SchedulingPolicy
 from .speculation import Verdict, VerifyRow
 from .telemetry import EngineStats, RoundStats
@@ -139,13 +139,16 @@ class Engine:
     def add_request(self, prompt: Prompt, *, max_new_tokens: int = 32, do_sample: bool = False,
                     temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
                     stop_strings: str | Sequence[str] | None = None, eos_token_id: int | Sequence[int] | None = None,
-                    logits_processor: Sequence | None = None, salt: str | None = None,
+                    logits_processor: Sequence | None = None, logprobs: int | None = None, salt: str | None = None,
                     fork_of: int | None = None) -> int:
         """Queue a request; returns its id. ``prompt``: token ids, chat messages or text. ``seed``: a per-request
         generator for ``do_sample``. ``eos_token_id``: default the model's ``generation_config``'s. ``salt``: a
         tenant salt; prefix blocks are shared only between requests with the same salt. ``fork_of``: a request
         with the same prompt (e.g. another choice of an ``n > 1`` request); if it is running when this one is
-        admitted, this one shares its stored prefix copy-on-write instead of computing it.
+        admitted, this one shares its stored prefix copy-on-write instead of computing it. ``logprobs``: each
+        output token's log-probability and its ``logprobs`` (0..20) most likely alternatives, in
+        ``RequestOutput.logprobs`` and each ``RequestDelta`` — the target's distribution after the request's
+        processors and warpers, exact under speculation too (``logprobs.py``).
 
         Every argument is checked here, so that a request that would fail inside a round is refused before it
         is queued: ``ValueError`` naming the argument (prompt or ``eos_token_id`` ids outside the vocabulary, a
@@ -156,7 +159,7 @@ class Engine:
         settings = make_settings(self.model.generation_config, max_new_tokens=max_new_tokens, do_sample=do_sample,
                                  temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                                  stop_strings=stop_strings, eos_token_id=eos_token_id,
-                                 logits_processor=logits_processor)
+                                 logits_processor=logits_processor, logprobs=logprobs)
         if settings.stop_strings and self.tokenizer is None:
             raise ValueError("stop_strings need a tokenizer: build Engine(model, tokenizer, ...).")
         check_vocabulary("eos_token_id", settings.eos_token_id, self._vocab_size)
@@ -222,8 +225,9 @@ class Engine:
             del self._requests[request_id]
         text = self.tokenizer.decode(request.output_ids, skip_special_tokens=True) if self.tokenizer else None
         error = None if request.error is None else f"{type(request.error).__name__}: {request.error}"
+        logprobs = None if request.settings.logprobs is None else list(request.output_logprobs)
         return RequestOutput(request_id, list(request.prompt_ids), list(request.output_ids), request.finish_reason,
-                             request.metrics, text, error)
+                             request.metrics, text, error, logprobs)
 
     # ---- rounds --------------------------------------------------------------------------------------------
     @_locked
@@ -319,8 +323,9 @@ class Engine:
                 results.append(RowResult(verify[index].accept(logits[at: at + count]), row_features, width))
                 self.drafts.record_verify_row(time.perf_counter() - started)
             elif row.samples:
-                results.append(RowResult(Verdict([next_token(row.request, logits[at])], 0, 0, [], None),
-                                         row_features, width, verified=False))
+                token, logprobs = choose(row.request, logits[at])
+                results.append(RowResult(Verdict([token], 0, 0, [], None, logprobs), row_features, width,
+                                         verified=False))
             else:
                 results.append(RowResult(None, row_features, width))
             at, column = at + count, column + width
@@ -346,7 +351,7 @@ class Engine:
         if result.verdict is None:  # a prefill chunk that does not reach the end of the prompt
             self._gather_features(request, result.features)
             return None
-        new, reason = self._append(request, result.verdict.tokens, now)
+        new, reason = self._append(request, result.verdict, now)
         if result.verified:
             request.metrics.record_speculation(result.verdict.num_draft, result.verdict.num_accepted, len(new))
             self.drafts.record_verdict(request, result.verdict.num_draft, result.verdict.num_accepted)
@@ -357,13 +362,15 @@ class Engine:
         else:
             self._keep(request, row, result)
             self.cache.record_tokens(request.request_id, request.tokens)
-        return RequestDelta(request.request_id, tuple(new), reason is not None, reason)
+        return RequestDelta(request.request_id, tuple(new), reason is not None, reason,
+                            result.verdict.logprobs[: len(new)])
 
-    def _append(self, request: Request, tokens: list[int], now: float) -> tuple[list[int], FinishReason | None]:
-        """Append the round's tokens one by one up to the first that ends the request (it is kept, as in
-        ``generate``); returns the appended tokens and the finish reason."""
-        for count, token in enumerate(tokens, start=1):
-            request.append_token(token, now)
+    def _append(self, request: Request, verdict: Verdict, now: float) -> tuple[list[int], FinishReason | None]:
+        """Append the round's tokens (and their log-probabilities, if asked) one by one up to the first that
+        ends the request (it is kept, as in ``generate``); returns the appended tokens and the finish reason."""
+        tokens, logprobs = verdict.tokens, verdict.logprobs or (None,) * len(verdict.tokens)
+        for count, (token, logprob) in enumerate(zip(tokens, logprobs), start=1):
+            request.append_token(token, now, logprob)
             reason = finish_reason(request, self.tokenizer)
             if reason is not None:
                 return tokens[:count], reason
@@ -419,13 +426,14 @@ class Engine:
         while True:
             with self._lock:
                 new = request.output_ids[request.read_cursor:]
+                logprobs = tuple(request.output_logprobs[request.read_cursor:])
                 request.read_cursor += len(new)
                 finished, reason = request.finished, request.finish_reason
             if reason is FinishReason.ERROR:
                 raise RequestFailedError(f"Request {request_id} failed: {type(request.error).__name__}: "
                                          f"{request.error}") from request.error
             if new or finished:
-                yield RequestDelta(request_id, tuple(new), finished, reason)
+                yield RequestDelta(request_id, tuple(new), finished, reason, logprobs)
             if finished:
                 return
             with self._lock:

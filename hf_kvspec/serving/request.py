@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .logprobs import TokenLogprob, check_logprobs
+
 
 class RequestTooLongError(ValueError):
     """A request can never fit: its prompt plus ``max_new_tokens`` exceed the KV budget or the model's positions."""
@@ -58,6 +60,7 @@ class SamplingSettings:
     stop_strings: tuple[str, ...] = ()
     # callables (input_ids [1, L], scores [1, V]) -> scores [1, V], e.g. a transformers LogitsProcessorList
     logits_processor: Sequence[Callable] = ()
+    logprobs: int | None = None  # None: off; k: each output token's log-probability and its k alternatives
 
     def __post_init__(self):
         _check_integer("max_new_tokens", self.max_new_tokens, low=1)
@@ -82,6 +85,7 @@ class SamplingSettings:
             if not callable(processor):
                 raise ValueError(f"logits_processor entries must be callables (input_ids, scores) -> scores, got "
                                  f"{processor!r}.")
+        check_logprobs(self.logprobs)
 
 
 MAX_SEED = 2**64 - 1  # the largest seed torch.Generator.manual_seed takes
@@ -148,6 +152,7 @@ class RequestDelta:
     new_token_ids: tuple[int, ...]
     finished: bool
     finish_reason: FinishReason | None = None
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per new token when the request asked for log-probabilities
 
 
 @dataclass
@@ -161,6 +166,7 @@ class RequestOutput:
     metrics: RequestMetrics
     text: str | None = None
     error: str | None = None  # with finish_reason ERROR: what the request's own failure was
+    logprobs: list[TokenLogprob] | None = None  # one per output token, when the request asked for them
 
 
 class Request:
@@ -173,6 +179,7 @@ class Request:
         self.settings = settings
         self.salt = salt
         self.output_ids: list[int] = []
+        self.output_logprobs: list[TokenLogprob] = []  # one per output token with settings.logprobs, else empty
         self.num_computed = 0
         self.status = RequestStatus.WAITING
         self.finish_reason: FinishReason | None = None
@@ -204,8 +211,10 @@ class Request:
     def finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 
-    def append_token(self, token: int, now: float) -> None:
+    def append_token(self, token: int, now: float, logprob: TokenLogprob | None = None) -> None:
         self.output_ids.append(token)
+        if logprob is not None:
+            self.output_logprobs.append(logprob)
         self.metrics.num_output_tokens = len(self.output_ids)
         if self.metrics.first_token_time is None:
             self.metrics.first_token_time = now

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
+from .logprobs import TokenLogprob, token_logprobs
 from .request import FinishReason, Request, SamplingSettings
 
 
@@ -39,20 +40,28 @@ def warpers(settings: SamplingSettings) -> list:
     return out + ([TopPLogitsWarper(settings.top_p)] if settings.top_p < 1.0 else [])
 
 
-def warped_probs(request: Request, scores: torch.Tensor) -> torch.Tensor:  # [1, V] -> [1, V]
-    """Sampling distribution: the warpers on the processed scores, then softmax."""
+def warped_scores(request: Request, scores: torch.Tensor) -> torch.Tensor:  # [1, V] -> [1, V]
+    """The request's warpers on processed scores (none for greedy decoding)."""
     for warper in warpers(request.settings):
         scores = warper(None, scores)
-    return torch.softmax(scores, dim=-1)
+    return scores
 
 
 def next_token(request: Request, logits: torch.Tensor) -> int:
     """The request's next token from the logits ``[V]`` of its last fed position."""
-    scores = process_scores(request, logits)
+    return choose(request, logits)[0]
+
+
+def choose(request: Request, logits: torch.Tensor) -> tuple[int, tuple[TokenLogprob, ...]]:
+    """The request's next token from the logits ``[V]`` of its last fed position, with its log-probability when
+    the request asked for them (``logprobs.py``: under the distribution the token was drawn from)."""
+    scores = warped_scores(request, process_scores(request, logits))  # [1, V]
     if not request.settings.do_sample:
-        return int(scores.argmax(dim=-1))
-    probs = warped_probs(request, scores).cpu()  # the generator is a CPU one on every device
-    return int(torch.multinomial(probs, 1, generator=request.generator))
+        token = int(scores.argmax(dim=-1))
+    else:  # the generator is a CPU one on every device
+        token = int(torch.multinomial(torch.softmax(scores, dim=-1).cpu(), 1, generator=request.generator))
+    top = request.settings.logprobs
+    return token, (() if top is None else token_logprobs(scores, [token], top))
 
 
 def finish_reason(request: Request, tokenizer) -> FinishReason | None:

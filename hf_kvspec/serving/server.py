@@ -38,6 +38,7 @@ from .server_protocol import (
     chunk_body,
     error_body,
     finish_reason_name,
+    logprobs_body,
     new_response_id,
     parse_request,
     response_body,
@@ -45,7 +46,7 @@ from .server_protocol import (
     usage,
     usage_chunk,
 )
-from .server_text import ChoiceText
+from .server_text import ChoiceLogprobs, ChoiceText
 from .server_worker import Choice, EngineWorker
 
 logger = logging.getLogger("hf_kvspec.serve")
@@ -245,15 +246,18 @@ async def _whole(state: ServerState, params: GenerationParams, ids: list[int], c
 
 
 async def _collect(state: ServerState, params: GenerationParams, choice: Choice) -> dict:
-    text = ChoiceText(state.engine.tokenizer, params.stop)
+    text, logprobs = ChoiceText(state.engine.tokenizer, params.stop), ChoiceLogprobs(state.engine.tokenizer)
+    decoded = []
     while True:
         event = await choice.events.get()
         if event.error is not None:
             return {"error": event.error}
         text.token_ids += event.token_ids
+        decoded += logprobs.add(event.logprobs)
         if event.output is not None:
             output = event.output
-            return {"choice": {"index": choice.index, "text": text.finish(),
+            body = None if params.logprobs is None else logprobs_body(params.kind, decoded)
+            return {"choice": {"index": choice.index, "text": text.finish(), "logprobs": body,
                                "finish_reason": finish_reason_name(output.finish_reason)},
                     "tokens": len(output.output_ids), "extension": _extension(choice.index, output)}
 
@@ -287,6 +291,7 @@ async def _stream(state: ServerState, params: GenerationParams, ids: list[int], 
     merged.put_nowait((choices[0], first))
     pumps = [asyncio.create_task(_pump(choice, merged)) for choice in choices]
     texts = [ChoiceText(state.engine.tokenizer, params.stop) for _ in choices]
+    logprobs = [ChoiceLogprobs(state.engine.tokenizer) for _ in choices]
     completion_tokens, open_choices = 0, len(choices)
     try:
         if params.kind == "chat":
@@ -298,8 +303,10 @@ async def _stream(state: ServerState, params: GenerationParams, ids: list[int], 
                 yield sse(error_body(event.error, "server_error", code="round_failed"))
                 return
             delta = texts[choice.index].add(event.token_ids)
-            if delta:
-                yield sse(chunk_body(params, response_id, model, choice.index, delta))
+            decoded = logprobs[choice.index].add(event.logprobs)
+            if delta or decoded:  # tokens whose text is held back still report their log-probabilities
+                yield sse(chunk_body(params, response_id, model, choice.index, delta or None,
+                                     logprobs=logprobs_body(params.kind, decoded) if decoded else None))
             if event.output is not None:
                 open_choices -= 1
                 completion_tokens += len(event.output.output_ids)

@@ -6,8 +6,10 @@ Boundary: JSON in, dicts out; no engine, no tokenizer, no HTTP. A bad body raise
 field (``param``), which the server turns into a 400 with an OpenAI-style error body.
 
 Deviations from the OpenAI API, all refused by name rather than ignored: one prompt per request (no batched
-``prompt`` list), no ``logprobs``, ``echo``, ``suffix``, ``best_of``, penalties, ``logit_bias``, tools or
-response formats. ``temperature = 0`` is greedy decoding, and so is a temperature below 1e-5 (the engine's
+``prompt`` list), no ``echo``, ``suffix``, ``best_of``, penalties, ``logit_bias``, tools or response formats.
+Log-probabilities (chat ``logprobs`` / ``top_logprobs``, completions ``logprobs``: 0..20 alternatives, where
+OpenAI's completions stop at 5) are the target's after the request's temperature and top-p (``logprobs.py``);
+``-inf`` (a token top-p removed) is sent as ``-9999.0``, JSON having no infinity. ``temperature = 0`` is greedy decoding, and so is a temperature below 1e-5 (the engine's
 ``GREEDY_BELOW_TEMPERATURE``: dividing by less overflows the scores). ``seed`` is in ``0 .. 2**64 - 1``; with
 ``n > 1``, choice ``i`` samples with seed ``(seed + i) mod 2**64``, so each choice is reproducible on its own.
 Chat roles are ``system``, ``developer``, ``user`` and ``assistant``.
@@ -53,6 +55,7 @@ class GenerationParams:
     include_usage: bool = False
     model: str | None = None
     cache_salt: str | None = None  # the tenant: prefix blocks and suffix-pool drafts are shared within one salt only
+    logprobs: int | None = None  # alternatives per output token (0..20); None: no log-probabilities
 
     @property
     def prompt_field(self) -> str:
@@ -64,14 +67,16 @@ class GenerationParams:
         return {"max_new_tokens": self.max_tokens, "do_sample": sampled,
                 "temperature": self.temperature if sampled else 1.0, "top_p": self.top_p,
                 "seed": None if self.seed is None else (self.seed + choice) % SEED_RANGE, "stop_strings": self.stop,
-                "salt": self.cache_salt}
+                "salt": self.cache_salt, "logprobs": self.logprobs}
 
 
 # ---- parsing ---------------------------------------------------------------------------------------------
 _IGNORED = {"user", "metadata", "store"}  # accepted and ignored: they do not change the output
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "stream", "stream_options",
-           "cache_salt"}
-_FIELDS = {"completion": _COMMON | {"prompt"}, "chat": _COMMON | {"messages", "max_completion_tokens"}}
+           "cache_salt", "logprobs"}
+_FIELDS = {"completion": _COMMON | {"prompt"}, "chat": _COMMON | {"messages", "max_completion_tokens", "top_logprobs"}}
+MAX_LOGPROBS = 20  # alternatives per token (logprobs.MAX_TOP_LOGPROBS)
+NEG_INF = -9999.0  # what -inf is sent as (vLLM's choice too)
 
 
 def parse_request(body: bytes, kind: str) -> GenerationParams:
@@ -95,7 +100,8 @@ def parse_request(body: bytes, kind: str) -> GenerationParams:
         temperature=temperature, top_p=top_p, seed=_integer(data, "seed", None, lo=0, hi=SEED_RANGE - 1),
         stop=_stop(data),
         n=_integer(data, "n", 1, lo=1, hi=MAX_N), stream=_boolean(data, "stream", False),
-        include_usage=_stream_options(data), model=_string(data, "model", None), cache_salt=_salt(data))
+        include_usage=_stream_options(data), model=_string(data, "model", None), cache_salt=_salt(data),
+        logprobs=_chat_logprobs(data) if kind == "chat" else _integer(data, "logprobs", None, lo=0, hi=MAX_LOGPROBS))
 
 
 def _fail(name: str, expected: str, value) -> BadRequest:
@@ -144,6 +150,15 @@ def _salt(data: Mapping) -> str | None:
     if salt is not None and not salt:
         raise _fail("cache_salt", "a non-empty string (the tenant's secret)", salt)
     return salt
+
+
+def _chat_logprobs(data: Mapping) -> int | None:
+    """Chat: ``logprobs: true`` turns them on, ``top_logprobs`` (0..20, only with it) asks for alternatives."""
+    wanted = _boolean(data, "logprobs", False)
+    top = _integer(data, "top_logprobs", None, lo=0, hi=MAX_LOGPROBS)
+    if top is not None and not wanted:
+        raise BadRequest("'top_logprobs' needs 'logprobs': true.", param="top_logprobs", code="invalid_value")
+    return (top or 0) if wanted else None
 
 
 def _max_tokens(data: Mapping, kind: str) -> int:
@@ -236,30 +251,63 @@ def response_body(params: GenerationParams, response_id: str, model: str, choice
                   extension: list[dict]) -> dict:
     """A whole (non-streamed) response; ``choices`` hold ``index``, ``text``, ``finish_reason``."""
     if params.kind == "chat":
-        choices = [{"index": c["index"], "message": {"role": "assistant", "content": c["text"]}, "logprobs": None,
-                    "finish_reason": c["finish_reason"]} for c in choices]
+        choices = [{"index": c["index"], "message": {"role": "assistant", "content": c["text"]},
+                    "logprobs": c.get("logprobs"), "finish_reason": c["finish_reason"]} for c in choices]
         obj = "chat.completion"
     else:
-        choices = [{**c, "logprobs": None} for c in choices]
+        choices = [{"index": c["index"], "text": c["text"], "logprobs": c.get("logprobs"),
+                    "finish_reason": c["finish_reason"]} for c in choices]
         obj = "text_completion"
     return {"id": response_id, "object": obj, "created": int(time.time()), "model": model, "choices": choices,
             "usage": usage_, "kvspec": {"choices": extension}}
 
 
 def chunk_body(params: GenerationParams, response_id: str, model: str, index: int, text: str | None,
-               finish_reason: str | None = None, first: bool = False, extension: dict | None = None) -> dict:
-    """One streamed chunk for one choice; the chat form's first chunk carries the assistant role."""
+               finish_reason: str | None = None, first: bool = False, extension: dict | None = None,
+               logprobs: dict | None = None) -> dict:
+    """One streamed chunk for one choice; the chat form's first chunk carries the assistant role. ``logprobs``:
+    the ``logprobs_body`` of the tokens this chunk reports."""
     if params.kind == "chat":
         delta = {"role": "assistant", "content": ""} if first else ({} if text is None else {"content": text})
-        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         obj = "chat.completion.chunk"
     else:
-        choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
         obj = "text_completion"
     body = {"id": response_id, "object": obj, "created": int(time.time()), "model": model, "choices": [choice]}
     if extension is not None:
         body["kvspec"] = extension
     return body
+
+
+def logprobs_body(kind: str, decoded: list) -> dict:
+    """The ``logprobs`` of a choice (or chunk) from its tokens' ``server_text.DecodedLogprob``s: chat's
+    ``{"content": [{token, logprob, bytes, top_logprobs}]}``, or the completions form ``{tokens, token_logprobs,
+    top_logprobs, text_offset}`` whose ``top_logprobs`` hold the alternatives and the chosen token (OpenAI: up to
+    ``logprobs + 1`` entries)."""
+    if kind == "chat":
+        return {"content": [{**_token_entry(d.text, d.logprob),
+                             "top_logprobs": [_token_entry(text, value) for text, value in d.top]} for d in decoded]}
+    return {"tokens": [d.text for d in decoded], "token_logprobs": [_finite(d.logprob) for d in decoded],
+            "top_logprobs": [_completion_top(d) for d in decoded],
+            "text_offset": [d.offset for d in decoded]}
+
+
+def _completion_top(decoded) -> dict[str, float]:
+    """Alternatives, most likely first, then the chosen token if it is not among them (a text two tokens share
+    keeps the likelier value)."""
+    top: dict[str, float] = {}
+    for text, value in (*decoded.top, (decoded.text, decoded.logprob)):
+        top.setdefault(text, _finite(value))
+    return top
+
+
+def _token_entry(text: str, logprob: float) -> dict:
+    return {"token": text, "logprob": _finite(logprob), "bytes": list(text.encode("utf-8"))}
+
+
+def _finite(logprob: float) -> float:
+    return logprob if logprob > NEG_INF else NEG_INF
 
 
 def usage_chunk(params: GenerationParams, response_id: str, model: str, usage_: dict) -> dict:

@@ -1,6 +1,6 @@
 """Output text of one choice as the server sends it: decoded incrementally from token ids, cut before a stop
 string (the OpenAI API returns the text *before* the stop sequence; the engine's output ids keep the token that
-completed it), and never split inside a multi-byte character.
+completed it), and never split inside a multi-byte character; and each token's own text for its log-probability.
 
 Boundary: tokenizer decoding and string handling only; which tokens exist and when a request stops are the
 engine's (``sampling.finish_reason``).
@@ -9,6 +9,7 @@ engine's (``sampling.finish_reason``).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 _INCOMPLETE = "\ufffd"  # what a byte-level decoder shows for a character whose bytes have not all arrived
 
@@ -57,3 +58,33 @@ class ChoiceText:
                     longest = size
                     break
         return longest
+
+
+@dataclass(frozen=True)
+class DecodedLogprob:
+    """One output token's log-probability with its text (``tokenizer.decode([id])``), its character offset in
+    the choice's decoded tokens, and its alternatives' texts."""
+
+    text: str
+    logprob: float
+    top: tuple[tuple[str, float], ...]
+    offset: int
+
+
+class ChoiceLogprobs:
+    """Texts of one choice's ``TokenLogprob``s as they arrive; ``offset`` runs over the tokens' own texts."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.offset = tokenizer, 0
+
+    def add(self, logprobs: Sequence) -> list[DecodedLogprob]:
+        decoded = []
+        for entry in logprobs:
+            text = self._text(entry.token_id)
+            top = tuple((self._text(token), value) for token, value in entry.top)
+            decoded.append(DecodedLogprob(text, entry.logprob, top, self.offset))
+            self.offset += len(text)
+        return decoded
+
+    def _text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)

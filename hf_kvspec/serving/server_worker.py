@@ -38,6 +38,7 @@ class Event:
     token_ids: tuple[int, ...] = ()
     output: RequestOutput | None = None  # set when the choice finished
     error: str | None = None  # set when its round failed: the choice is over
+    logprobs: tuple = ()  # ``TokenLogprob`` per new token, when the choice asked for them
 
 
 class Choice:
@@ -169,7 +170,7 @@ class EngineWorker:
             if delta.finished:
                 output = self.engine.get_output(delta.request_id)
                 self._end(choice, "finished", metrics=output.metrics)
-            choice.events.put_nowait(Event(tuple(delta.new_token_ids), output))
+            choice.events.put_nowait(Event(tuple(delta.new_token_ids), output, logprobs=tuple(delta.logprobs)))
 
     def _fail_round(self, err: Exception) -> None:
         failed = [rid for rid in self.engine.failed_round if rid in self._live] or list(self._live)

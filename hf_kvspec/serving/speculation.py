@@ -33,6 +33,7 @@ from hf_kvspec.speculative.drafters.base import DraftProposal
 from hf_kvspec.speculative.positions import History, PositionwiseProcessor
 from hf_kvspec.speculative.rounds import plan_round
 
+from .logprobs import TokenLogprob, token_logprobs
 from .request import Request
 from .runner import ForwardRow
 from .sampling import warpers
@@ -53,6 +54,7 @@ class Verdict:
     num_draft: int  # N
     kept: list[int]  # offsets among the row's new tokens that stay in the cache: the root (0) and the path
     accepted_nodes: torch.Tensor  # [1, k] node index of each accepted draft, in path order
+    logprobs: tuple[TokenLogprob, ...] = ()  # per token, when the request asked for them (``logprobs.py``)
 
 
 class VerifyRow:
@@ -89,4 +91,14 @@ class VerifyRow:
         nodes = result.accepted_nodes[:, :k]  # [1, k]
         accepted = result.accepted_tokens(self.proposal.tokens.to(nodes.device))[0, :k].tolist()
         kept = self.round.kept_columns(nodes)[0].tolist()
-        return Verdict([*accepted, int(result.next_tokens[0])], k, self.num_draft, kept, nodes)
+        tokens = [*accepted, int(result.next_tokens[0])]
+        return Verdict(tokens, k, self.num_draft, kept, nodes, self._logprobs(scores[0], nodes[0], tokens))
+
+    def _logprobs(self, scores: torch.Tensor, nodes: torch.Tensor, tokens: list[int]) -> tuple[TokenLogprob, ...]:
+        """The emitted tokens' log-probabilities: token j is scored by the root's row (j = 0) or by the row of
+        the accepted node before it (``scores`` ``[1 + N, V]``, row n + 1 = node n; ``nodes`` ``[k]``)."""
+        top = self.request.settings.logprobs
+        if top is None:
+            return ()
+        rows = torch.cat([nodes.new_zeros(1), nodes + 1])  # [k + 1]
+        return token_logprobs(scores.index_select(0, rows.to(scores.device)), tokens, top)
