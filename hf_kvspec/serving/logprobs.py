@@ -53,3 +53,11 @@ def token_logprobs(scores: torch.Tensor, tokens: list[int], top: int) -> tuple[T
     else:
         alternatives = [()] * len(tokens)
     return tuple(TokenLogprob(t, lp, alt) for t, lp, alt in zip(tokens, chosen, alternatives))
+
+
+def prompt_logprobs(model, ids: list[int], top: int) -> tuple[TokenLogprob | None, ...]:
+    """Each prompt token's log-probability given the tokens before it (``echo``): one plain forward of ``model``
+    over ``ids`` (``L`` tokens); the first token has none (None). The model's own distribution: no processing."""
+    with torch.no_grad():
+        logits = model(torch.tensor([ids], device=model.device)).logits[0, :-1]  # [L - 1, V]
+    return (None, *token_logprobs(logits, ids[1:], top))

@@ -173,6 +173,9 @@ async def _generate(request: HttpRequest, kind: str) -> Response:
     if state.worker.open_choices + params.n > state.config.max_queue:
         return _error(429, f"The server holds {state.worker.open_choices} requests (limit {state.config.max_queue});"
                       " retry later.", "rate_limit_exceeded", headers={"Retry-After": str(state.config.retry_after_s)})
+    echo = await _echo(state, params, ids) if params.echo else None
+    if params.max_tokens == 0:  # echo only: the prompt scored, nothing generated
+        return _echo_only(state, params, ids, echo)
     try:
         choices = await state.worker.submit(ids, [params.engine_kwargs(i) for i in range(params.n)])
     except RequestTooLongError as err:
@@ -181,8 +184,8 @@ async def _generate(request: HttpRequest, kind: str) -> Response:
     except ValueError as err:
         return _error(400, str(err), "invalid_request_error")
     if params.stream:
-        return await _start_stream(state, params, ids, choices, request)
-    return await _whole(state, params, ids, choices, request)
+        return await _start_stream(state, params, ids, choices, request, echo)
+    return await _whole(state, params, ids, choices, request, echo)
 
 
 async def _body(request: HttpRequest, limit: int) -> bytes | None:
@@ -227,11 +230,54 @@ async def _unless_disconnected(awaitable, request: HttpRequest):
     return task.result()
 
 
+@dataclass(frozen=True)
+class Echo:
+    """Completions' ``echo``: the prompt's ids and text, and (with ``logprobs``) each prompt token's
+    ``TokenLogprob`` given the ones before it (None for the first)."""
+
+    ids: list[int]
+    text: str
+    logprobs: tuple | None
+
+    def start(self, logprobs: ChoiceLogprobs) -> list:
+        """The prompt's decoded entries, advancing ``logprobs``' offsets past them (empty without logprobs)."""
+        return [] if self.logprobs is None else logprobs.add_prompt(self.ids, self.logprobs)
+
+
+async def _echo(state: ServerState, params: GenerationParams, ids: list[int]) -> Echo:
+    text = params.prompt if isinstance(params.prompt, str) else state.engine.tokenizer.decode(ids)
+    scored = None if params.logprobs is None else await state.worker.score(ids, params.logprobs)
+    return Echo(ids, text, scored)
+
+
+def _echo_only(state: ServerState, params: GenerationParams, ids: list[int], echo: Echo) -> Response:
+    """``max_tokens: 0`` with ``echo``: each choice is the prompt (finish reason ``length``), no engine request."""
+    response_id, model = new_response_id(params.kind), state.config.model_name
+    choices = []
+    for index in range(params.n):
+        decoded = echo.start(ChoiceLogprobs(state.engine.tokenizer))
+        body = None if params.logprobs is None else logprobs_body(params.kind, decoded)
+        choices.append({"index": index, "text": echo.text, "logprobs": body, "finish_reason": "length"})
+    if not params.stream:
+        return JSONResponse(response_body(params, response_id, model, choices, usage(len(ids), 0), []))
+
+    async def events():
+        for choice in choices:
+            yield sse(chunk_body(params, response_id, model, choice["index"], choice["text"], "length",
+                                 logprobs=choice["logprobs"]))
+        if params.include_usage:
+            yield sse(usage_chunk(params, response_id, model, usage(len(ids), 0)))
+        yield sse("[DONE]")
+
+    return StreamingResponse(events(), media_type="text/event-stream")
+
+
 async def _whole(state: ServerState, params: GenerationParams, ids: list[int], choices: list[Choice],
-                 request: HttpRequest) -> Response:
+                 request: HttpRequest, echo: Echo | None = None) -> Response:
     """A non-streamed response: wait for every choice, cancelling them if the client goes away."""
     try:
-        results = await _unless_disconnected(asyncio.gather(*(_collect(state, params, c) for c in choices)), request)
+        results = await _unless_disconnected(asyncio.gather(*(_collect(state, params, c, echo) for c in choices)),
+                                             request)
     finally:
         state.worker.cancel(choices)  # no-op for choices that ended
     if results is None:
@@ -245,9 +291,9 @@ async def _whole(state: ServerState, params: GenerationParams, ids: list[int], c
     return JSONResponse(body)
 
 
-async def _collect(state: ServerState, params: GenerationParams, choice: Choice) -> dict:
+async def _collect(state: ServerState, params: GenerationParams, choice: Choice, echo: Echo | None) -> dict:
     text, logprobs = ChoiceText(state.engine.tokenizer, params.stop), ChoiceLogprobs(state.engine.tokenizer)
-    decoded = []
+    decoded = [] if echo is None else echo.start(logprobs)
     while True:
         event = await choice.events.get()
         if event.error is not None:
@@ -257,7 +303,8 @@ async def _collect(state: ServerState, params: GenerationParams, choice: Choice)
         if event.output is not None:
             output = event.output
             body = None if params.logprobs is None else logprobs_body(params.kind, decoded)
-            return {"choice": {"index": choice.index, "text": text.finish(), "logprobs": body,
+            prefix = "" if echo is None else echo.text
+            return {"choice": {"index": choice.index, "text": prefix + text.finish(), "logprobs": body,
                                "finish_reason": finish_reason_name(output.finish_reason)},
                     "tokens": len(output.output_ids), "extension": _extension(choice.index, output)}
 
@@ -271,7 +318,7 @@ def _extension(index: int, output) -> dict:
 
 
 async def _start_stream(state: ServerState, params: GenerationParams, ids: list[int], choices: list[Choice],
-                        request: HttpRequest) -> Response:
+                        request: HttpRequest, echo: Echo | None = None) -> Response:
     """Wait for the first choice's first event before sending the status line, so that a round failing
     before the first token is still a 500."""
     first = await _unless_disconnected(choices[0].events.get(), request)
@@ -280,12 +327,14 @@ async def _start_stream(state: ServerState, params: GenerationParams, ids: list[
         if first is None:
             return Response(status_code=499)
         return _error(500, first.error, "server_error", code="round_failed")
-    return StreamingResponse(_stream(state, params, ids, choices, first), media_type="text/event-stream")
+    return StreamingResponse(_stream(state, params, ids, choices, first, echo), media_type="text/event-stream")
 
 
-async def _stream(state: ServerState, params: GenerationParams, ids: list[int], choices: list[Choice], first):
-    """Server-sent events: one chunk per choice per round with new text, a last chunk per choice with its
-    finish reason, the usage chunk if asked, then ``[DONE]``. A client that goes away cancels the choices."""
+async def _stream(state: ServerState, params: GenerationParams, ids: list[int], choices: list[Choice], first,
+                  echo: Echo | None = None):
+    """Server-sent events: (with ``echo``) a chunk per choice with the prompt, one chunk per choice per round with
+    new text, a last chunk per choice with its finish reason, the usage chunk if asked, then ``[DONE]``. A
+    client that goes away cancels the choices."""
     response_id, model = new_response_id(params.kind), state.config.model_name
     merged: asyncio.Queue = asyncio.Queue()
     merged.put_nowait((choices[0], first))
@@ -297,6 +346,10 @@ async def _stream(state: ServerState, params: GenerationParams, ids: list[int], 
         if params.kind == "chat":
             for choice in choices:
                 yield sse(chunk_body(params, response_id, model, choice.index, None, first=True))
+        for choice in choices if echo is not None else ():
+            decoded = echo.start(logprobs[choice.index])
+            yield sse(chunk_body(params, response_id, model, choice.index, echo.text,
+                                 logprobs=logprobs_body(params.kind, decoded) if params.logprobs is not None else None))
         while open_choices:
             choice, event = await merged.get()
             if event.error is not None:

@@ -6,9 +6,11 @@ Boundary: JSON in, dicts out; no engine, no tokenizer, no HTTP. A bad body raise
 field (``param``), which the server turns into a 400 with an OpenAI-style error body.
 
 Deviations from the OpenAI API, all refused by name rather than ignored: one prompt per request (no batched
-``prompt`` list), no ``echo``, ``suffix``, ``best_of``, penalties, ``logit_bias``, tools or response formats.
+``prompt`` list), no ``suffix``, ``best_of``, penalties, ``logit_bias``, tools or response formats.
 Log-probabilities (chat ``logprobs`` / ``top_logprobs``, completions ``logprobs``: 0..20 alternatives, where
 OpenAI's completions stop at 5) are the target's after the request's temperature and top-p (``logprobs.py``);
+completions' ``echo`` returns the prompt before the completion, with the model's log-probability of each prompt
+token given the ones before it (the first has none: null), and allows ``max_tokens: 0`` (score only);
 ``-inf`` (a token top-p removed) is sent as ``-9999.0``, JSON having no infinity. ``temperature = 0`` is greedy decoding, and so is a temperature below 1e-5 (the engine's
 ``GREEDY_BELOW_TEMPERATURE``: dividing by less overflows the scores). ``seed`` is in ``0 .. 2**64 - 1``; with
 ``n > 1``, choice ``i`` samples with seed ``(seed + i) mod 2**64``, so each choice is reproducible on its own.
@@ -56,6 +58,7 @@ class GenerationParams:
     model: str | None = None
     cache_salt: str | None = None  # the tenant: prefix blocks and suffix-pool drafts are shared within one salt only
     logprobs: int | None = None  # alternatives per output token (0..20); None: no log-probabilities
+    echo: bool = False  # completions: the prompt's text (and log-probabilities) before the completion
 
     @property
     def prompt_field(self) -> str:
@@ -74,7 +77,7 @@ class GenerationParams:
 _IGNORED = {"user", "metadata", "store"}  # accepted and ignored: they do not change the output
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "stream", "stream_options",
            "cache_salt", "logprobs"}
-_FIELDS = {"completion": _COMMON | {"prompt"}, "chat": _COMMON | {"messages", "max_completion_tokens", "top_logprobs"}}
+_FIELDS = {"completion": _COMMON | {"prompt", "echo"}, "chat": _COMMON | {"messages", "max_completion_tokens", "top_logprobs"}}
 MAX_LOGPROBS = 20  # alternatives per token (logprobs.MAX_TOP_LOGPROBS)
 NEG_INF = -9999.0  # what -inf is sent as (vLLM's choice too)
 
@@ -92,7 +95,8 @@ def parse_request(body: bytes, kind: str) -> GenerationParams:
             raise BadRequest(f"Unrecognized or unsupported request argument: {name!r}.", param=name,
                              code="unsupported_parameter")
     data = {name: value for name, value in data.items() if value is not None and name not in _IGNORED}
-    max_tokens = _max_tokens(data, kind)
+    echo = kind == "completion" and _boolean(data, "echo", False)
+    max_tokens = _max_tokens(data, kind, echo)
     temperature = _number(data, "temperature", 1.0, lo=0.0, hi=2.0)
     top_p = _number(data, "top_p", 1.0, lo=0.0, hi=1.0, lo_open=True)
     return GenerationParams(
@@ -101,7 +105,8 @@ def parse_request(body: bytes, kind: str) -> GenerationParams:
         stop=_stop(data),
         n=_integer(data, "n", 1, lo=1, hi=MAX_N), stream=_boolean(data, "stream", False),
         include_usage=_stream_options(data), model=_string(data, "model", None), cache_salt=_salt(data),
-        logprobs=_chat_logprobs(data) if kind == "chat" else _integer(data, "logprobs", None, lo=0, hi=MAX_LOGPROBS))
+        logprobs=_chat_logprobs(data) if kind == "chat" else _integer(data, "logprobs", None, lo=0, hi=MAX_LOGPROBS),
+        echo=echo)
 
 
 def _fail(name: str, expected: str, value) -> BadRequest:
@@ -161,9 +166,10 @@ def _chat_logprobs(data: Mapping) -> int | None:
     return (top or 0) if wanted else None
 
 
-def _max_tokens(data: Mapping, kind: str) -> int:
-    """``max_completion_tokens`` wins over ``max_tokens`` (chat), but each given one must be valid."""
-    given = _integer(data, "max_tokens", DEFAULT_MAX_TOKENS[kind], lo=1)
+def _max_tokens(data: Mapping, kind: str, echo: bool) -> int:
+    """``max_completion_tokens`` wins over ``max_tokens`` (chat), but each given one must be valid; 0 only with
+    ``echo`` (the prompt scored, nothing generated)."""
+    given = _integer(data, "max_tokens", DEFAULT_MAX_TOKENS[kind], lo=0 if echo else 1)
     return _integer(data, "max_completion_tokens", given, lo=1)
 
 
@@ -288,8 +294,9 @@ def logprobs_body(kind: str, decoded: list) -> dict:
     if kind == "chat":
         return {"content": [{**_token_entry(d.text, d.logprob),
                              "top_logprobs": [_token_entry(text, value) for text, value in d.top]} for d in decoded]}
-    return {"tokens": [d.text for d in decoded], "token_logprobs": [_finite(d.logprob) for d in decoded],
-            "top_logprobs": [_completion_top(d) for d in decoded],
+    return {"tokens": [d.text for d in decoded],
+            "token_logprobs": [None if d.logprob is None else _finite(d.logprob) for d in decoded],
+            "top_logprobs": [None if d.logprob is None else _completion_top(d) for d in decoded],
             "text_offset": [d.offset for d in decoded]}
 
 

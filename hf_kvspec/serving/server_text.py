@@ -66,7 +66,7 @@ class DecodedLogprob:
     the choice's decoded tokens, and its alternatives' texts."""
 
     text: str
-    logprob: float
+    logprob: float | None  # None: the prompt's first token (nothing before it)
     top: tuple[tuple[str, float], ...]
     offset: int
 
@@ -84,6 +84,18 @@ class ChoiceLogprobs:
             top = tuple((self._text(token), value) for token, value in entry.top)
             decoded.append(DecodedLogprob(text, entry.logprob, top, self.offset))
             self.offset += len(text)
+        return decoded
+
+    def add_prompt(self, prompt_ids: Sequence[int], logprobs: Sequence) -> list[DecodedLogprob]:
+        """The echoed prompt's entries: ``logprobs`` per prompt token, None for the first."""
+        decoded = []
+        for token_id, entry in zip(prompt_ids, logprobs):
+            if entry is None:
+                text = self._text(token_id)
+                decoded.append(DecodedLogprob(text, None, (), self.offset))
+                self.offset += len(text)
+            else:
+                decoded += self.add([entry])
         return decoded
 
     def _text(self, token_id: int) -> str:

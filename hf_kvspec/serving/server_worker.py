@@ -5,6 +5,7 @@ tokens to that choice's own asyncio queue.
 Boundary: between the HTTP handlers and the engine. Handlers never touch the engine: they ``submit`` and
 ``cancel`` and read ``Event``s. The engine is only ever used by this task — between rounds on the event loop
 (``add_request``, ``cancel``, ``get_output``), during a round in the worker thread — never by two threads at once.
+Scoring a prompt for ``echo`` (one plain forward of the model) runs in the same worker thread, between rounds.
 
 Under trouble:
     * a cancelled choice (a client that went away) leaves the engine at once, freeing its blocks;
@@ -80,6 +81,14 @@ class EngineWorker:
             self.cancel(choices)
             raise
         return choices
+
+    async def score(self, prompt_ids: list[int], top: int) -> tuple:
+        """Each prompt token's ``TokenLogprob`` given the ones before it (None for the first): one plain forward,
+        on the engine's thread between rounds (the executor runs one thing at a time)."""
+        from .logprobs import prompt_logprobs
+
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, prompt_logprobs, self.engine.model, prompt_ids, top)
 
     def cancel(self, choices: list[Choice]) -> None:
         """The client is gone: end these choices, freeing their blocks (no-op for ended ones)."""

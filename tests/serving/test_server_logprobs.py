@@ -106,3 +106,43 @@ def test_bad_logprobs_are_refused_by_name(server, path, body, param):
     base.update({"messages": [{"role": "user", "content": "t1"}]} if "chat" in path else {"prompt": "t1"})
     status, _, raw = server.raw("POST", path, json.dumps({**base, **body}))
     assert status == 400 and json.loads(raw)["error"]["param"] == param, raw
+
+
+def test_echo_scores_the_prompt_with_a_plain_forward(server, model, tokenizer):
+    """``echo`` (lm-evaluation-harness's log-likelihood requests): the prompt's text and each prompt token's
+    log-probability given the ones before it; ``max_tokens: 0`` scores without generating."""
+    client = server.client()
+    prompt = tokenizer(PROMPT)["input_ids"]
+    with torch.no_grad():
+        expected = torch.log_softmax(model(torch.tensor([prompt])).logits[0].float(), dim=-1)  # [L, V]
+    scored = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=0, echo=True, logprobs=1)
+    choice = scored.choices[0]
+    assert choice.text == PROMPT and choice.finish_reason == "length" and scored.usage.completion_tokens == 0
+    assert choice.logprobs.tokens == [tokenizer.decode([i]) for i in prompt]
+    assert choice.logprobs.token_logprobs[0] is None and choice.logprobs.top_logprobs[0] is None
+    assert choice.logprobs.token_logprobs[1:] == pytest.approx(
+        [float(expected[p, t]) for p, t in enumerate(prompt[1:])], abs=1e-5)
+    both = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=5, temperature=0, echo=True, logprobs=0)
+    ids = both.kvspec["choices"][0]["token_ids"]
+    assert both.choices[0].text.startswith(PROMPT) and len(both.choices[0].logprobs.tokens) == len(prompt) + len(ids)
+    generated = reference(model, prompt, ids)
+    assert both.choices[0].logprobs.token_logprobs[len(prompt):] == pytest.approx(
+        [float(generated[p, t]) for p, t in enumerate(ids)], abs=1e-5)
+    for max_tokens in (0, 5):
+        chunks = list(client.completions.create(model="tiny", prompt=PROMPT, max_tokens=max_tokens, temperature=0,
+                                                echo=True, logprobs=0, stream=True))
+        assert "".join(c.choices[0].text for c in chunks) == (both if max_tokens else scored).choices[0].text
+        tokens = [t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+        assert tokens == (both if max_tokens else scored).choices[0].logprobs.tokens
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/chat/completions", {"echo": True}, "echo"),
+    ("/v1/completions", {"max_tokens": 0}, "max_tokens"),
+    ("/v1/completions", {"echo": "yes"}, "echo"),
+])
+def test_echo_is_for_completions_and_max_tokens_0_needs_it(server, path, body, param):
+    base = {"model": "tiny", "max_tokens": 2}
+    base.update({"messages": [{"role": "user", "content": "t1"}]} if "chat" in path else {"prompt": "t1"})
+    status, _, raw = server.raw("POST", path, json.dumps({**base, **body}))
+    assert status == 400 and json.loads(raw)["error"]["param"] == param, raw
