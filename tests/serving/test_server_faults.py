@@ -95,7 +95,7 @@ BAD_BODIES = [
     ({"prompt": "t7", "stop": ["a", "b", "c", "d", "e"]}, "stop", "invalid_value"),
     ({"prompt": "t7", "stream": "yes"}, "stream", "invalid_value"),
     ({"prompt": "t7", "stream_options": {"include_usage": True}}, "stream_options", "invalid_value"),
-    ({"prompt": "t7", "echo": True}, "echo", "unsupported_parameter"),
+    ({"prompt": "t7", "best_of": 2}, "best_of", "unsupported_parameter"),
     ({"prompt": "t7", "logprobs": 21}, "logprobs", "invalid_value"),
     ({"prompt": "t7", "frobnicate": 1}, "frobnicate", "unsupported_parameter"),
     ({"max_tokens": 4}, "prompt", "missing_required_parameter"),
