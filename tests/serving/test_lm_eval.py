@@ -8,9 +8,13 @@ Slow (the bundled model, two evaluations); needs the ``eval`` extra (``pip insta
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
+# no Hub here: the task's data are local files, the tokenizer and weights the bundled model's folder
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 lm_eval = pytest.importorskip("lm_eval")
 
 from hf_kvspec.models import bundled_model_path, load_bundled_model  # noqa: E402
@@ -19,11 +23,11 @@ from hf_kvspec.serving.server import ServerConfig  # noqa: E402
 
 from .server_harness import RunningServer  # noqa: E402
 
-QUESTIONS = [
-    ("The capital of France is", [" Paris", " London", " Berlin"], 0),
-    ("Two plus two equals", [" five", " four", " three"], 1),
-    ("The opposite of hot is", [" cold", " warm", " blue"], 0),
-    ("Water freezes at zero degrees", [" Celsius", " Fahrenheit", " Kelvin"], 0),
+QUESTIONS = [  # lm-evaluation-harness puts its target delimiter, a space, between question and choice
+    ("The capital of France is", ["Paris", "London", "Berlin"], 0),
+    ("Two plus two equals", ["five", "four", "three"], 1),
+    ("The opposite of hot is", ["cold", "warm", "blue"], 0),
+    ("Water freezes at zero degrees", ["Celsius", "Fahrenheit", "Kelvin"], 0),
 ]
 
 
@@ -45,11 +49,12 @@ def _task_folder(tmp_path) -> str:
 
 
 def _responses(results: dict) -> dict[str, list]:
-    """Per task, each request's raw response in document and request order."""
+    """Per task, each request's raw response in document and request order (``resps`` holds one list per request,
+    of its repeats: one here)."""
     out = {}
     for task, samples in results["samples"].items():
         ordered = sorted(samples, key=lambda s: s["doc_id"])
-        out[task] = [response for sample in ordered for response in sample["resps"]]
+        out[task] = [repeats[0] for sample in ordered for repeats in sample["resps"]]
     return out
 
 
@@ -67,10 +72,11 @@ def test_lm_eval_through_the_server_equals_its_own_hf_model(tmp_path):
             model="local-completions", tasks=tasks, task_manager=manager, log_samples=True,
             model_args={"model": "smollm2", "base_url": f"{server.base_url}/completions", "num_concurrent": 1,
                         "max_retries": 1, "tokenizer_backend": "huggingface", "tokenizer": str(folder)})
-    own = simple_evaluate(model="hf", model_args={"pretrained": str(folder), "dtype": "float32"}, tasks=tasks,
-                          task_manager=manager, log_samples=True, batch_size=1)
+    own = simple_evaluate(model="hf", model_args={"pretrained": str(folder), "dtype": "float32", "device": "cpu"},
+                          tasks=tasks, task_manager=manager, log_samples=True, batch_size=1)
     ours, theirs = _responses(served), _responses(own)
     assert len(ours["kvspec_choice"]) == sum(len(c) for _, c, _ in QUESTIONS)
+    assert any(greedy for _, greedy in theirs["kvspec_choice"])  # the flags can differ: some are True
     for (ll, greedy), (ll_ref, greedy_ref) in zip(ours["kvspec_choice"], theirs["kvspec_choice"]):
         assert float(ll) == pytest.approx(float(ll_ref), abs=1e-4) and bool(greedy) == bool(greedy_ref)
     assert ours["kvspec_generate"] == theirs["kvspec_generate"]
