@@ -81,6 +81,7 @@ _EXPORTS: dict[str, str] = {
     "RequestTooLongError": "hf_kvspec.serving.request",
     "RequestFailedError": "hf_kvspec.serving.request",
     "TokenLogprob": "hf_kvspec.serving.logprobs",
+    "GrammarLogitsProcessor": "hf_kvspec.grammar",
     "SchedulingPolicy": "hf_kvspec.serving.scheduler",
 }
 

@@ -75,3 +75,19 @@ _KINDS["deepseek_v2_yarn"] = dict(
     _KINDS["deepseek_v2"], max_position_embeddings=5120,
     rope_parameters=dict(_YARN, mscale=0.707, mscale_all_dim=0.707),
 )
+
+
+def char_tokenizer():
+    """A byte-level character tokenizer over the tiny configs' 96 ids, so that tiny models can spell JSON:
+    0/1/2 pad/bos/eos (the configs' ids), 3 the space, then printable ASCII except ``\\``` and ``~``; no merges.
+    Byte-level, as llguidance (structured output) requires of a tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = [chr(c) for c in range(33, 127) if chr(c) not in "`~"]
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "Ġ": 3, **{c: 4 + i for i, c in enumerate(chars)}}
+    assert len(vocab) == 96
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
