@@ -99,13 +99,14 @@ class GrammarLogitsProcessor:
 
     Args:
         tokenizer: the model's fast Hugging Face tokenizer.
-        json_schema / json_object / regex / lark: the grammar, exactly one (``compile_grammar``).
+        json_schema / json_object / regex / lark: the grammar, exactly one (``compile_grammar``); or
+        grammar: one ``compile_grammar`` returned (compile once, build a processor per request).
     """
 
     def __init__(self, tokenizer, *, json_schema: Mapping | str | None = None, json_object: bool = False,
-                 regex: str | None = None, lark: str | None = None, _grammar: str | None = None):
+                 regex: str | None = None, lark: str | None = None, grammar: str | None = None):
         self.tokenizer = tokenizer
-        self.grammar = _grammar if _grammar is not None else compile_grammar(
+        self.grammar = grammar if grammar is not None else compile_grammar(
             json_schema=json_schema, json_object=json_object, regex=regex, lark=lark)
         self._prompt: torch.Tensor | None = None  # [B, L0] the first call's input_ids
         self._matchers: list = []
@@ -113,7 +114,7 @@ class GrammarLogitsProcessor:
 
     def fork(self) -> GrammarLogitsProcessor:
         """A fresh processor for the same grammar (one per request)."""
-        return GrammarLogitsProcessor(self.tokenizer, _grammar=self.grammar)
+        return GrammarLogitsProcessor(self.tokenizer, grammar=self.grammar)
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         llg = _llguidance()

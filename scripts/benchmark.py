@@ -45,6 +45,7 @@ SUBCOMMANDS: dict[str, str] = {
     "peers": "bench.peers",
     "serve": "bench.serve",
     "workloads": "bench.workloads",
+    "grammar": "bench.grammar",
 }
 
 

@@ -177,7 +177,7 @@ async def _generate(request: HttpRequest, kind: str) -> Response:
     if params.max_tokens == 0:  # echo only: the prompt scored, nothing generated
         return _echo_only(state, params, ids, echo)
     try:
-        choices = await state.worker.submit(ids, [params.engine_kwargs(i) for i in range(params.n)])
+        choices = await state.worker.submit(ids, [_engine_kwargs(state, params, i) for i in range(params.n)])
     except RequestTooLongError as err:
         return _error(400, str(err), "invalid_request_error", _too_long_field(state.engine, params, ids),
                       "context_length_exceeded")
@@ -186,6 +186,16 @@ async def _generate(request: HttpRequest, kind: str) -> Response:
     if params.stream:
         return await _start_stream(state, params, ids, choices, request, echo)
     return await _whole(state, params, ids, choices, request, echo)
+
+
+def _engine_kwargs(state: ServerState, params: GenerationParams, choice: int) -> dict:
+    """``Engine.add_request`` keywords of one choice: its own grammar processor under ``response_format``."""
+    kwargs = params.engine_kwargs(choice)
+    if params.grammar is not None:
+        from hf_kvspec.grammar import GrammarLogitsProcessor
+
+        kwargs["logits_processor"] = [GrammarLogitsProcessor(state.engine.tokenizer, grammar=params.grammar)]
+    return kwargs
 
 
 async def _body(request: HttpRequest, limit: int) -> bytes | None:

@@ -6,7 +6,9 @@ Boundary: JSON in, dicts out; no engine, no tokenizer, no HTTP. A bad body raise
 field (``param``), which the server turns into a 400 with an OpenAI-style error body.
 
 Deviations from the OpenAI API, all refused by name rather than ignored: one prompt per request (no batched
-``prompt`` list), no ``suffix``, ``best_of``, penalties, ``logit_bias``, tools or response formats.
+``prompt`` list), no ``suffix``, ``best_of``, penalties, ``logit_bias`` or tools. ``response_format``
+(``json_object``, ``json_schema``) is compiled here into a grammar (``hf_kvspec.grammar``, llguidance) that masks
+every token the target scores, drafts' included.
 Log-probabilities (chat ``logprobs`` / ``top_logprobs``, completions ``logprobs``: 0..20 alternatives, where
 OpenAI's completions stop at 5) are the target's after the request's temperature and top-p (``logprobs.py``);
 completions' ``echo`` returns the prompt before the completion, with the model's log-probability of each prompt
@@ -59,6 +61,7 @@ class GenerationParams:
     cache_salt: str | None = None  # the tenant: prefix blocks and suffix-pool drafts are shared within one salt only
     logprobs: int | None = None  # alternatives per output token (0..20); None: no log-probabilities
     echo: bool = False  # completions: the prompt's text (and log-probabilities) before the completion
+    grammar: str | None = None  # response_format compiled (``hf_kvspec.grammar.compile_grammar``); None: free text
 
     @property
     def prompt_field(self) -> str:
@@ -76,7 +79,7 @@ class GenerationParams:
 # ---- parsing ---------------------------------------------------------------------------------------------
 _IGNORED = {"user", "metadata", "store"}  # accepted and ignored: they do not change the output
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "stream", "stream_options",
-           "cache_salt", "logprobs"}
+           "cache_salt", "logprobs", "response_format"}
 _FIELDS = {"completion": _COMMON | {"prompt", "echo"}, "chat": _COMMON | {"messages", "max_completion_tokens", "top_logprobs"}}
 MAX_LOGPROBS = 20  # alternatives per token (logprobs.MAX_TOP_LOGPROBS)
 NEG_INF = -9999.0  # what -inf is sent as (vLLM's choice too)
@@ -106,7 +109,7 @@ def parse_request(body: bytes, kind: str) -> GenerationParams:
         n=_integer(data, "n", 1, lo=1, hi=MAX_N), stream=_boolean(data, "stream", False),
         include_usage=_stream_options(data), model=_string(data, "model", None), cache_salt=_salt(data),
         logprobs=_chat_logprobs(data) if kind == "chat" else _integer(data, "logprobs", None, lo=0, hi=MAX_LOGPROBS),
-        echo=echo)
+        echo=echo, grammar=_response_format(data))
 
 
 def _fail(name: str, expected: str, value) -> BadRequest:
@@ -155,6 +158,34 @@ def _salt(data: Mapping) -> str | None:
     if salt is not None and not salt:
         raise _fail("cache_salt", "a non-empty string (the tenant's secret)", salt)
     return salt
+
+
+def _response_format(data: Mapping) -> str | None:
+    """``response_format``: ``{"type": "text"}`` (free text), ``{"type": "json_object"}`` or ``{"type":
+    "json_schema", "json_schema": {"name", "schema", "strict"?, "description"?}}``, compiled to a grammar."""
+    value = data.get("response_format")
+    if value is None:
+        return None
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind not in ("text", "json_object", "json_schema") or (kind != "json_schema" and set(value) != {"type"}):
+        raise _fail("response_format", '{"type": "text"}, {"type": "json_object"} or {"type": "json_schema", '
+                    '"json_schema": {"name": ..., "schema": {...}}}', value)
+    if kind == "text":
+        return None
+    spec = value.get("json_schema")
+    if kind == "json_schema" and (not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict)
+                                  or set(spec) - {"name", "schema", "strict", "description"}):
+        raise _fail("response_format.json_schema", "an object with a 'schema' object (and 'name', 'strict', "
+                    "'description')", spec)
+    from hf_kvspec.grammar import compile_grammar
+
+    try:
+        if kind == "json_object":
+            return compile_grammar(json_object=True)
+        return compile_grammar(json_schema=spec["schema"])
+    except (ValueError, ImportError) as err:
+        raise BadRequest(f"'response_format' cannot be served: {err}", param="response_format",
+                         code="invalid_value") from None
 
 
 def _chat_logprobs(data: Mapping) -> int | None:
