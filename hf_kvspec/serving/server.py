@@ -167,25 +167,31 @@ async def _generate(request: HttpRequest, kind: str) -> Response:
                       "--max-body-bytes).", "invalid_request_error", code="request_too_large")
     try:
         params = parse_request(body, kind)
-        ids = _prompt_ids(params, state.engine.tokenizer, state.engine.vocab_size)
+        ids = [_prompt_ids(params, prompt, state.engine.tokenizer, state.engine.vocab_size)
+               for prompt in params.prompts]
     except BadRequest as err:
         return _error(400, str(err), "invalid_request_error", err.param, err.code)
-    if state.worker.open_choices + params.n > state.config.max_queue:
+    if state.worker.open_choices + params.n * len(ids) > state.config.max_queue:
         return _error(429, f"The server holds {state.worker.open_choices} requests (limit {state.config.max_queue});"
                       " retry later.", "rate_limit_exceeded", headers={"Retry-After": str(state.config.retry_after_s)})
-    echo = await _echo(state, params, ids) if params.echo else None
-    if params.max_tokens == 0:  # echo only: the prompt scored, nothing generated
-        return _echo_only(state, params, ids, echo)
-    try:
-        choices = await state.worker.submit(ids, [_engine_kwargs(state, params, i) for i in range(params.n)])
-    except RequestTooLongError as err:
-        return _error(400, str(err), "invalid_request_error", _too_long_field(state.engine, params, ids),
-                      "context_length_exceeded")
-    except ValueError as err:
-        return _error(400, str(err), "invalid_request_error")
+    echoes = [await _echo(state, params, p, i) for p, i in zip(params.prompts, ids)] if params.echo else None
+    prompts = Prompts(ids, echoes, params.n)
+    if params.max_tokens == 0:  # echo only: the prompts scored, nothing generated
+        return _echo_only(state, params, prompts)
+    choices: list[Choice] = []
+    for index, prompt in enumerate(ids):
+        try:
+            choices += await state.worker.submit(prompt, [_engine_kwargs(state, params, i) for i in range(params.n)],
+                                                 first_index=index * params.n)
+        except (RequestTooLongError, ValueError) as err:
+            state.worker.cancel(choices)  # the batch's earlier prompts
+            if isinstance(err, RequestTooLongError):
+                return _error(400, str(err), "invalid_request_error", _too_long_field(state.engine, params, prompt),
+                              "context_length_exceeded")
+            return _error(400, str(err), "invalid_request_error")
     if params.stream:
-        return await _start_stream(state, params, ids, choices, request, echo)
-    return await _whole(state, params, ids, choices, request, echo)
+        return await _start_stream(state, params, prompts, choices, request)
+    return await _whole(state, params, prompts, choices, request)
 
 
 def _engine_kwargs(state: ServerState, params: GenerationParams, choice: int) -> dict:
@@ -212,9 +218,9 @@ async def _body(request: HttpRequest, limit: int) -> bytes | None:
     return b"".join(chunks)
 
 
-def _prompt_ids(params: GenerationParams, tokenizer, vocab_size: int) -> list[int]:
+def _prompt_ids(params: GenerationParams, prompt, tokenizer, vocab_size: int) -> list[int]:
     try:
-        return prompt_ids(params.prompt, tokenizer, vocab_size)
+        return prompt_ids(prompt, tokenizer, vocab_size)
     except Exception as err:  # a template that rejects the messages, ids outside the vocabulary, ...
         raise BadRequest(f"The {params.prompt_field} could not be tokenized: {err}", param=params.prompt_field,
                          code="invalid_value") from None
@@ -254,40 +260,59 @@ class Echo:
         return [] if self.logprobs is None else logprobs.add_prompt(self.ids, self.logprobs)
 
 
-async def _echo(state: ServerState, params: GenerationParams, ids: list[int]) -> Echo:
-    text = params.prompt if isinstance(params.prompt, str) else state.engine.tokenizer.decode(ids)
+@dataclass(frozen=True)
+class Prompts:
+    """A request's prompts as the engine takes them: token ids per prompt and, with ``echo``, each one's
+    ``Echo``. Choice ``p * n + i`` is prompt p's choice i (OpenAI's indexing of a completions batch)."""
+
+    ids: list[list[int]]
+    echoes: list[Echo] | None
+    n: int
+
+    @property
+    def tokens(self) -> int:
+        """``usage.prompt_tokens``: each prompt once, whatever ``n``."""
+        return sum(len(ids) for ids in self.ids)
+
+    def echo(self, index: int) -> Echo | None:
+        return None if self.echoes is None else self.echoes[index // self.n]
+
+
+async def _echo(state: ServerState, params: GenerationParams, prompt, ids: list[int]) -> Echo:
+    text = prompt if isinstance(prompt, str) else state.engine.tokenizer.decode(ids)
     scored = None if params.logprobs is None else await state.worker.score(ids, params.logprobs)
     return Echo(ids, text, scored)
 
 
-def _echo_only(state: ServerState, params: GenerationParams, ids: list[int], echo: Echo) -> Response:
-    """``max_tokens: 0`` with ``echo``: each choice is the prompt (finish reason ``length``), no engine request."""
+def _echo_only(state: ServerState, params: GenerationParams, prompts: Prompts) -> Response:
+    """``max_tokens: 0`` with ``echo``: each choice is its prompt (finish reason ``length``), no engine request."""
     response_id, model = new_response_id(params.kind), state.config.model_name
     choices = []
-    for index in range(params.n):
+    for index in range(len(prompts.ids) * params.n):
+        echo = prompts.echo(index)
         decoded = echo.start(ChoiceLogprobs(state.engine.tokenizer))
         body = None if params.logprobs is None else logprobs_body(params.kind, decoded)
         choices.append({"index": index, "text": echo.text, "logprobs": body, "finish_reason": "length"})
     if not params.stream:
-        return JSONResponse(response_body(params, response_id, model, choices, usage(len(ids), 0), []))
+        return JSONResponse(response_body(params, response_id, model, choices, usage(prompts.tokens, 0), []))
 
     async def events():
         for choice in choices:
             yield sse(chunk_body(params, response_id, model, choice["index"], choice["text"], "length",
                                  logprobs=choice["logprobs"]))
         if params.include_usage:
-            yield sse(usage_chunk(params, response_id, model, usage(len(ids), 0)))
+            yield sse(usage_chunk(params, response_id, model, usage(prompts.tokens, 0)))
         yield sse("[DONE]")
 
     return StreamingResponse(events(), media_type="text/event-stream")
 
 
-async def _whole(state: ServerState, params: GenerationParams, ids: list[int], choices: list[Choice],
-                 request: HttpRequest, echo: Echo | None = None) -> Response:
+async def _whole(state: ServerState, params: GenerationParams, prompts: Prompts, choices: list[Choice],
+                 request: HttpRequest) -> Response:
     """A non-streamed response: wait for every choice, cancelling them if the client goes away."""
     try:
-        results = await _unless_disconnected(asyncio.gather(*(_collect(state, params, c, echo) for c in choices)),
-                                             request)
+        results = await _unless_disconnected(
+            asyncio.gather(*(_collect(state, params, c, prompts.echo(c.index)) for c in choices)), request)
     finally:
         state.worker.cancel(choices)  # no-op for choices that ended
     if results is None:
@@ -296,7 +321,7 @@ async def _whole(state: ServerState, params: GenerationParams, ids: list[int], c
     if errors:
         return _error(500, errors[0]["error"], "server_error", code="round_failed")
     body = response_body(params, new_response_id(params.kind), state.config.model_name,
-                         [r["choice"] for r in results], usage(len(ids), sum(r["tokens"] for r in results)),
+                         [r["choice"] for r in results], usage(prompts.tokens, sum(r["tokens"] for r in results)),
                          [r["extension"] for r in results])
     return JSONResponse(body)
 
@@ -327,8 +352,8 @@ def _extension(index: int, output) -> dict:
             "preemptions": metrics.num_preemptions, "token_ids": list(output.output_ids)}
 
 
-async def _start_stream(state: ServerState, params: GenerationParams, ids: list[int], choices: list[Choice],
-                        request: HttpRequest, echo: Echo | None = None) -> Response:
+async def _start_stream(state: ServerState, params: GenerationParams, prompts: Prompts, choices: list[Choice],
+                        request: HttpRequest) -> Response:
     """Wait for the first choice's first event before sending the status line, so that a round failing
     before the first token is still a 500."""
     first = await _unless_disconnected(choices[0].events.get(), request)
@@ -337,11 +362,10 @@ async def _start_stream(state: ServerState, params: GenerationParams, ids: list[
         if first is None:
             return Response(status_code=499)
         return _error(500, first.error, "server_error", code="round_failed")
-    return StreamingResponse(_stream(state, params, ids, choices, first, echo), media_type="text/event-stream")
+    return StreamingResponse(_stream(state, params, prompts, choices, first), media_type="text/event-stream")
 
 
-async def _stream(state: ServerState, params: GenerationParams, ids: list[int], choices: list[Choice], first,
-                  echo: Echo | None = None):
+async def _stream(state: ServerState, params: GenerationParams, prompts: Prompts, choices: list[Choice], first):
     """Server-sent events: (with ``echo``) a chunk per choice with the prompt, one chunk per choice per round with
     new text, a last chunk per choice with its finish reason, the usage chunk if asked, then ``[DONE]``. A
     client that goes away cancels the choices."""
@@ -356,7 +380,8 @@ async def _stream(state: ServerState, params: GenerationParams, ids: list[int], 
         if params.kind == "chat":
             for choice in choices:
                 yield sse(chunk_body(params, response_id, model, choice.index, None, first=True))
-        for choice in choices if echo is not None else ():
+        for choice in choices if prompts.echoes is not None else ():
+            echo = prompts.echo(choice.index)
             decoded = echo.start(logprobs[choice.index])
             yield sse(chunk_body(params, response_id, model, choice.index, echo.text,
                                  logprobs=logprobs_body(params.kind, decoded) if params.logprobs is not None else None))
@@ -377,7 +402,7 @@ async def _stream(state: ServerState, params: GenerationParams, ids: list[int], 
                                      finish_reason_name(event.output.finish_reason),
                                      extension=_extension(choice.index, event.output)))
         if params.include_usage:
-            yield sse(usage_chunk(params, response_id, model, usage(len(ids), completion_tokens)))
+            yield sse(usage_chunk(params, response_id, model, usage(prompts.tokens, completion_tokens)))
         yield sse("[DONE]")
     finally:
         state.worker.cancel(choices)  # a disconnect lands here too (the response task is cancelled)

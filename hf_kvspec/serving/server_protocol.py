@@ -5,8 +5,7 @@ error bodies built from plain values.
 Boundary: JSON in, dicts out; no engine, no tokenizer, no HTTP. A bad body raises ``BadRequest`` naming the
 field (``param``), which the server turns into a 400 with an OpenAI-style error body.
 
-Deviations from the OpenAI API, all refused by name rather than ignored: one prompt per request (no batched
-``prompt`` list), no ``suffix``, ``best_of``, penalties, ``logit_bias`` or tools. ``response_format``
+Deviations from the OpenAI API, all refused by name rather than ignored: no ``suffix``, ``best_of``, penalties, ``logit_bias`` or tools. ``response_format``
 (``json_object``, ``json_schema``) is compiled here into a grammar (``hf_kvspec.grammar``, llguidance) that masks
 every token the target scores, drafts' included.
 Log-probabilities (chat ``logprobs`` / ``top_logprobs``, completions ``logprobs``: 0..20 alternatives, where
@@ -48,7 +47,9 @@ class GenerationParams:
     """One checked request (``kind``: ``"completion"`` or ``"chat"``)."""
 
     kind: str
-    prompt: str | list[int] | list[dict]  # text or ids (completion), messages (chat)
+    # completion: the prompts (each text or ids; a batch is one request whose choice p * n + i is prompt p's
+    # choice i); chat: the messages
+    prompt: tuple[str | list[int], ...] | list[dict]
     max_tokens: int
     temperature: float = 1.0
     top_p: float = 1.0
@@ -66,6 +67,11 @@ class GenerationParams:
     @property
     def prompt_field(self) -> str:
         return "messages" if self.kind == "chat" else "prompt"
+
+    @property
+    def prompts(self) -> tuple:
+        """The request's prompts: a completions batch's, or the chat's one list of messages."""
+        return (self.prompt,) if self.kind == "chat" else self.prompt
 
     def engine_kwargs(self, choice: int) -> dict:
         """``Engine.add_request`` keywords for choice ``choice``."""
@@ -225,18 +231,24 @@ def _stream_options(data: Mapping) -> bool:
     return value
 
 
-def _prompt(data: Mapping) -> str | list[int]:
+MAX_PROMPTS = 64  # prompts in one completions request
+
+
+def _prompt(data: Mapping) -> tuple[str | list[int], ...]:
+    """A string, a list of token ids, or a batch: a list of strings or of token-id lists."""
     if "prompt" not in data:
         raise BadRequest("'prompt' is required.", param="prompt", code="missing_required_parameter")
     prompt = data["prompt"]
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
-    if isinstance(prompt, str) and prompt:
-        return prompt
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
-                                                   for t in prompt):
-        return list(prompt)
-    raise _fail("prompt", "a non-empty string or a non-empty list of token ids (one prompt per request)", prompt)
+    batch = prompt if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt) \
+        else [prompt]
+    if len(batch) > MAX_PROMPTS:
+        raise _fail("prompt", f"at most {MAX_PROMPTS} prompts", len(batch))
+    for item in batch:
+        if not (isinstance(item, str) and item) and not (
+                isinstance(item, list) and item and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                                                         for t in item)):
+            raise _fail("prompt", "a non-empty string, a non-empty list of token ids, or a list of those", prompt)
+    return tuple(item if isinstance(item, str) else list(item) for item in batch)
 
 
 def _messages(data: Mapping) -> list[dict]:

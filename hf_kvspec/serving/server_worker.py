@@ -68,10 +68,10 @@ class EngineWorker:
         self.telemetry = engine.telemetry()  # the engine's figures between rounds (never read mid-round)
 
     # ---- the handlers' side ---------------------------------------------------------------------------------
-    async def submit(self, prompt_ids: list[int], settings: list[dict]) -> list[Choice]:
-        """Queue one request with ``len(settings)`` choices; returns when the engine accepted the first (or
-        raises what ``Engine.add_request`` raised, e.g. ``RequestTooLongError``)."""
-        choices = [Choice(i, s) for i, s in enumerate(settings)]
+    async def submit(self, prompt_ids: list[int], settings: list[dict], first_index: int = 0) -> list[Choice]:
+        """Queue one prompt with ``len(settings)`` choices (indexed from ``first_index``); returns when the engine
+        accepted the first (or raises what ``Engine.add_request`` raised, e.g. ``RequestTooLongError``)."""
+        choices = [Choice(first_index + i, s) for i, s in enumerate(settings)]
         self.open_choices += len(choices)
         accepted = asyncio.get_running_loop().create_future()
         self._inbox.put_nowait(("add", prompt_ids, choices, accepted))

@@ -144,3 +144,28 @@ def test_stop_strings_cut_the_text_before_them(server, model, tokenizer):
             assert response.kvspec["choices"][0]["token_ids"] == reference[: first + 1]
         assert text == " ".join(words[:first]) + " "
         assert reason == "stop"
+
+
+def test_a_batch_of_prompts_indexes_choices_by_prompt_then_choice(server, model, tokenizer):
+    """OpenAI's completions batch: choice ``p * n + i`` is prompt p's choice i; each equals the prompt alone;
+    ``usage`` counts each prompt once; streamed, every choice's text equals the whole response's."""
+    client = server.client()
+    prompts = ["t7 t19 t33", "t50 t51", [9, 10, 11, 12]]
+    with no_leaks(server):
+        batch = client.completions.create(model="tiny", prompt=prompts, max_tokens=6, temperature=0, n=2)
+    assert [c.index for c in batch.choices] == list(range(6))
+    for index in range(6):
+        prompt = prompts[index // 2]
+        ids = prompt if isinstance(prompt, list) else ids_of(tokenizer, prompt)
+        assert batch.kvspec["choices"][index]["token_ids"] == greedy_ids(model, ids, 6), index
+    lengths = [len(p) if isinstance(p, list) else len(ids_of(tokenizer, p)) for p in prompts]
+    assert batch.usage.prompt_tokens == sum(lengths)
+    assert batch.usage.completion_tokens == sum(len(c["token_ids"]) for c in batch.kvspec["choices"])
+    chunks = list(client.completions.create(model="tiny", prompt=prompts, max_tokens=6, temperature=0, n=2,
+                                            stream=True, stream_options={"include_usage": True}))
+    for index in range(6):
+        assert "".join(c.choices[0].text for c in chunks if c.choices and c.choices[0].index == index) == \
+            batch.choices[index].text
+    assert chunks[-1].usage.prompt_tokens == sum(lengths)
+    echoed = client.completions.create(model="tiny", prompt=prompts[:2], max_tokens=0, echo=True)
+    assert [c.text for c in echoed.choices] == prompts[:2] and echoed.usage.completion_tokens == 0

@@ -100,7 +100,9 @@ BAD_BODIES = [
     ({"prompt": "t7", "frobnicate": 1}, "frobnicate", "unsupported_parameter"),
     ({"max_tokens": 4}, "prompt", "missing_required_parameter"),
     ({"prompt": ""}, "prompt", "invalid_value"),
-    ({"prompt": ["t7", "t8"]}, "prompt", "invalid_value"),
+    ({"prompt": ["t7", 5]}, "prompt", "invalid_value"),
+    ({"prompt": ["t7"] * 65}, "prompt", "invalid_value"),
+    ({"prompt": ["t7", ""]}, "prompt", "invalid_value"),
     ({"prompt": [7, -1]}, "prompt", "invalid_value"),
 ]
 BAD_CHATS = [
