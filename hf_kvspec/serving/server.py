@@ -375,15 +375,19 @@ async def _stream(state: ServerState, params: GenerationParams, prompts: Prompts
     pumps = [asyncio.create_task(_pump(choice, merged)) for choice in choices]
     texts = [ChoiceText(state.engine.tokenizer, params.stop) for _ in choices]
     logprobs = [ChoiceLogprobs(state.engine.tokenizer) for _ in choices]
-    completion_tokens, open_choices = 0, len(choices)
+    completion_tokens, streamed, open_choices = 0, 0, len(choices)
+
+    def so_far() -> dict | None:  # stream_options.continuous_usage_stats: the usage in every chunk
+        return usage(prompts.tokens, streamed) if params.continuous_usage else None
+
     try:
         if params.kind == "chat":
             for choice in choices:
-                yield sse(chunk_body(params, response_id, model, choice.index, None, first=True))
+                yield sse(chunk_body(params, response_id, model, choice.index, None, first=True, usage_=so_far()))
         for choice in choices if prompts.echoes is not None else ():
             echo = prompts.echo(choice.index)
             decoded = echo.start(logprobs[choice.index])
-            yield sse(chunk_body(params, response_id, model, choice.index, echo.text,
+            yield sse(chunk_body(params, response_id, model, choice.index, echo.text, usage_=so_far(),
                                  logprobs=logprobs_body(params.kind, decoded) if params.logprobs is not None else None))
         while open_choices:
             choice, event = await merged.get()
@@ -392,14 +396,15 @@ async def _stream(state: ServerState, params: GenerationParams, prompts: Prompts
                 return
             delta = texts[choice.index].add(event.token_ids)
             decoded = logprobs[choice.index].add(event.logprobs)
+            streamed += len(event.token_ids)
             if delta or decoded:  # tokens whose text is held back still report their log-probabilities
-                yield sse(chunk_body(params, response_id, model, choice.index, delta or None,
+                yield sse(chunk_body(params, response_id, model, choice.index, delta or None, usage_=so_far(),
                                      logprobs=logprobs_body(params.kind, decoded) if decoded else None))
             if event.output is not None:
                 open_choices -= 1
                 completion_tokens += len(event.output.output_ids)
                 yield sse(chunk_body(params, response_id, model, choice.index, texts[choice.index].finish() or None,
-                                     finish_reason_name(event.output.finish_reason),
+                                     finish_reason_name(event.output.finish_reason), usage_=so_far(),
                                      extension=_extension(choice.index, event.output)))
         if params.include_usage:
             yield sse(usage_chunk(params, response_id, model, usage(prompts.tokens, completion_tokens)))

@@ -58,6 +58,8 @@ class GenerationParams:
     n: int = 1
     stream: bool = False
     include_usage: bool = False
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats (vLLM's): usage in every chunk
+    ignore_eos: bool = False  # vLLM's extension: generate past end-of-sequence tokens, up to max_tokens
     model: str | None = None
     cache_salt: str | None = None  # the tenant: prefix blocks and suffix-pool drafts are shared within one salt only
     logprobs: int | None = None  # alternatives per output token (0..20); None: no log-probabilities
@@ -79,13 +81,13 @@ class GenerationParams:
         return {"max_new_tokens": self.max_tokens, "do_sample": sampled,
                 "temperature": self.temperature if sampled else 1.0, "top_p": self.top_p,
                 "seed": None if self.seed is None else (self.seed + choice) % SEED_RANGE, "stop_strings": self.stop,
-                "salt": self.cache_salt, "logprobs": self.logprobs}
+                "salt": self.cache_salt, "logprobs": self.logprobs, **({"eos_token_id": []} if self.ignore_eos else {})}
 
 
 # ---- parsing ---------------------------------------------------------------------------------------------
 _IGNORED = {"user", "metadata", "store"}  # accepted and ignored: they do not change the output
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "stream", "stream_options",
-           "cache_salt", "logprobs", "response_format"}
+           "cache_salt", "logprobs", "response_format", "ignore_eos"}
 _FIELDS = {"completion": _COMMON | {"prompt", "echo"}, "chat": _COMMON | {"messages", "max_completion_tokens", "top_logprobs"}}
 MAX_LOGPROBS = 20  # alternatives per token (logprobs.MAX_TOP_LOGPROBS)
 NEG_INF = -9999.0  # what -inf is sent as (vLLM's choice too)
@@ -113,7 +115,9 @@ def parse_request(body: bytes, kind: str) -> GenerationParams:
         temperature=temperature, top_p=top_p, seed=_integer(data, "seed", None, lo=0, hi=SEED_RANGE - 1),
         stop=_stop(data),
         n=_integer(data, "n", 1, lo=1, hi=MAX_N), stream=_boolean(data, "stream", False),
-        include_usage=_stream_options(data), model=_string(data, "model", None), cache_salt=_salt(data),
+        include_usage=_stream_options(data, "include_usage"),
+        continuous_usage=_stream_options(data, "continuous_usage_stats"),
+        ignore_eos=_boolean(data, "ignore_eos", False), model=_string(data, "model", None), cache_salt=_salt(data),
         logprobs=_chat_logprobs(data) if kind == "chat" else _integer(data, "logprobs", None, lo=0, hi=MAX_LOGPROBS),
         echo=echo, grammar=_response_format(data))
 
@@ -218,16 +222,18 @@ def _stop(data: Mapping) -> tuple[str, ...]:
     return tuple(stops)
 
 
-def _stream_options(data: Mapping) -> bool:
+def _stream_options(data: Mapping, name: str) -> bool:
+    """One of ``stream_options``' flags: ``include_usage`` (OpenAI's: a last chunk with the usage) or
+    ``continuous_usage_stats`` (vLLM's: the usage so far in every chunk)."""
     options = data.get("stream_options", {})
-    if not isinstance(options, dict) or set(options) - {"include_usage"}:
-        raise _fail("stream_options", 'an object {"include_usage": bool}', options)
+    if not isinstance(options, dict) or set(options) - {"include_usage", "continuous_usage_stats"}:
+        raise _fail("stream_options", 'an object {"include_usage": bool, "continuous_usage_stats": bool}', options)
     if options and not data.get("stream", False):
         raise BadRequest("'stream_options' is only allowed with 'stream': true.", param="stream_options",
                          code="invalid_value")
-    value = options.get("include_usage", False)
+    value = options.get(name, False)
     if not isinstance(value, bool):
-        raise _fail("stream_options.include_usage", "true or false", value)
+        raise _fail(f"stream_options.{name}", "true or false", value)
     return value
 
 
@@ -313,7 +319,7 @@ def response_body(params: GenerationParams, response_id: str, model: str, choice
 
 def chunk_body(params: GenerationParams, response_id: str, model: str, index: int, text: str | None,
                finish_reason: str | None = None, first: bool = False, extension: dict | None = None,
-               logprobs: dict | None = None) -> dict:
+               logprobs: dict | None = None, usage_: dict | None = None) -> dict:
     """One streamed chunk for one choice; the chat form's first chunk carries the assistant role. ``logprobs``:
     the ``logprobs_body`` of the tokens this chunk reports."""
     if params.kind == "chat":
@@ -326,6 +332,8 @@ def chunk_body(params: GenerationParams, response_id: str, model: str, index: in
     body = {"id": response_id, "object": obj, "created": int(time.time()), "model": model, "choices": [choice]}
     if extension is not None:
         body["kvspec"] = extension
+    if usage_ is not None:  # stream_options.continuous_usage_stats
+        body["usage"] = usage_
     return body
 
 

@@ -169,3 +169,25 @@ def test_a_batch_of_prompts_indexes_choices_by_prompt_then_choice(server, model,
     assert chunks[-1].usage.prompt_tokens == sum(lengths)
     echoed = client.completions.create(model="tiny", prompt=prompts[:2], max_tokens=0, echo=True)
     assert [c.text for c in echoed.choices] == prompts[:2] and echoed.usage.completion_tokens == 0
+
+
+def test_ignore_eos_and_continuous_usage_stats_as_guidellm_sends_them(server, model, tokenizer):
+    """vLLM's two extensions that GuideLLM sends on every request: ``ignore_eos`` generates exactly
+    ``max_tokens`` (a plain argmax loop is the reference: no end-of-sequence stop), and
+    ``stream_options.continuous_usage_stats`` puts the usage so far in every chunk."""
+    import torch
+
+    ids = ids_of(tokenizer, PROMPT)
+    with torch.no_grad():
+        sequence = list(ids)
+        for _ in range(20):
+            sequence.append(int(model(torch.tensor([sequence])).logits[0, -1].argmax()))
+    reply = server.client().completions.create(model="tiny", prompt=PROMPT, max_tokens=20, temperature=0,
+                                               extra_body={"ignore_eos": True})
+    assert reply.kvspec["choices"][0]["token_ids"] == sequence[len(ids):] and reply.usage.completion_tokens == 20
+    chunks = list(server.client().chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": PROMPT}], max_tokens=10, temperature=0, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    counts = [c.usage.completion_tokens for c in chunks if c.choices]
+    assert counts == sorted(counts) and all(c.usage is not None for c in chunks)
+    assert counts[-1] == chunks[-1].usage.completion_tokens and chunks[-1].choices == []
