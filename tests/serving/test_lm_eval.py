@@ -1,7 +1,8 @@
 """The real lm-evaluation-harness against ``hf-kvspec serve``: a small local task (YAML and JSONL written here, no
 Hub) scored through the server with ``local-completions`` (log-likelihoods by ``echo`` and ``logprobs``, and
 ``generate_until``) gives the same per-request results as lm-evaluation-harness's own ``hf`` model on the same
-weights: log-likelihoods within 1e-4, the same greedy flags and generations.
+weights: log-likelihoods within 1e-4, the same greedy flags and generations; ``local-chat-completions``
+(generation with the chat template) gives the same generations as the ``hf`` model with the chat template.
 
 Slow (the bundled model, two evaluations); needs the ``eval`` extra (``pip install -e ".[eval]"``)."""
 
@@ -72,8 +73,17 @@ def test_lm_eval_through_the_server_equals_its_own_hf_model(tmp_path):
             model="local-completions", tasks=tasks, task_manager=manager, log_samples=True,
             model_args={"model": "smollm2", "base_url": f"{server.base_url}/completions", "num_concurrent": 1,
                         "max_retries": 1, "tokenizer_backend": "huggingface", "tokenizer": str(folder)})
+        chat = simple_evaluate(  # local-chat-completions: generation through /v1/chat/completions
+            model="local-chat-completions", tasks=["kvspec_generate"], task_manager=manager, log_samples=True,
+            apply_chat_template=True,
+            model_args={"model": "smollm2", "base_url": f"{server.base_url}/chat/completions", "num_concurrent": 1,
+                        "max_retries": 1, "tokenizer_backend": "huggingface", "tokenizer": str(folder)})
     own = simple_evaluate(model="hf", model_args={"pretrained": str(folder), "dtype": "float32", "device": "cpu"},
                           tasks=tasks, task_manager=manager, log_samples=True, batch_size=1)
+    own_chat = simple_evaluate(model="hf", model_args={"pretrained": str(folder), "dtype": "float32", "device": "cpu"},
+                               tasks=["kvspec_generate"], task_manager=manager, log_samples=True, batch_size=1,
+                               apply_chat_template=True)
+    assert _responses(chat)["kvspec_generate"] == _responses(own_chat)["kvspec_generate"]
     ours, theirs = _responses(served), _responses(own)
     assert len(ours["kvspec_choice"]) == sum(len(c) for _, c, _ in QUESTIONS)
     assert any(greedy for _, greedy in theirs["kvspec_choice"])  # the flags can differ: some are True
