@@ -129,6 +129,27 @@ class GrammarLogitsProcessor:
                 scores[row].masked_fill_(~allowed, float("-inf"))
         return scores
 
+    def allowed_drafts(self, tokens: list[int], drafts: list[int], parents: list[int] | None) -> list[bool] | None:
+        """Per draft node (``parents``: each node's parent index, -1 for the root's children; None for a chain),
+        whether the grammar allows its path after ``tokens`` (one row's input so far); None when this processor
+        has not seen that row's prompt (nothing is cut). The engine drops forbidden drafts before verifying
+        them: the masked target would give them probability 0."""
+        prompt = self._prompt
+        if prompt is None or prompt.shape[0] != 1 or len(tokens) < prompt.shape[1] or \
+                tokens[: prompt.shape[1]] != prompt[0].tolist():
+            return None
+        generated = tokens[prompt.shape[1]:]
+        paths: list[list[int]] = []
+        allowed = []
+        for node, token in enumerate(drafts):
+            parent = node - 1 if parents is None else parents[node]
+            path = ([] if parent < 0 else paths[parent]) + [token]
+            paths.append(path)
+            ok = (parent < 0 or allowed[parent]) and self._follow(0, generated + path[:-1]) and \
+                self._matchers[0].validate_tokens([token]) == 1
+            allowed.append(ok)
+        return allowed
+
     def _continues(self, input_ids: torch.Tensor) -> bool:
         prompt = self._prompt
         return (input_ids.shape[0] == prompt.shape[0] and input_ids.shape[1] >= prompt.shape[1]

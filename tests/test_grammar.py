@@ -167,3 +167,49 @@ def test_bad_grammars_are_refused_by_name(tokenizer):
     regex = GrammarLogitsProcessor(tokenizer, regex="ab+")
     out = regex(torch.tensor([[1]]), torch.zeros(1, 96))
     assert torch.isfinite(out).nonzero()[:, 1].tolist() == [tokenizer.convert_tokens_to_ids("a")]
+
+
+def test_keep_nodes_drops_a_node_with_its_descendants_and_reindexes_parents():
+    from hf_kvspec.speculative.drafters.base import DraftProposal
+    from hf_kvspec.speculative.rounds import keep_nodes
+
+    chain = DraftProposal(torch.tensor([[5, 6, 7, 8]]))
+    assert keep_nodes(chain, [True, True, False, True]).tokens.tolist() == [[5, 6]]
+    assert keep_nodes(chain, [True] * 4) is chain
+    #        0    1          2: child of 0, 3: child of 1, 4: child of 2
+    tree = DraftProposal(torch.tensor([[10, 11, 12, 13, 14]]), None, torch.tensor([-1, -1, 0, 1, 2]))
+    cut = keep_nodes(tree, [True, False, True, True, True])  # 1 goes, and 3 below it
+    assert cut.tokens.tolist() == [[10, 12, 14]] and cut.parents.tolist() == [-1, 0, 1]
+    assert keep_nodes(tree, [False, True, True, True, True]).tokens.tolist() == [[11, 13]]
+
+
+def test_the_engine_verifies_no_draft_its_grammar_forbids(llama, tokenizer, monkeypatch):
+    """Drafts outside the grammar are cut before verification (a fresh processor checks every verified path),
+    some are cut, and the output is unchanged."""
+    from hf_kvspec.serving import round_drafts
+
+    verified, cut = [], [0]
+    original = round_drafts.without_forbidden
+
+    def spy(request, proposal):
+        kept = original(request, proposal)
+        cut[0] += proposal.tokens.shape[1] - kept.tokens.shape[1]
+        if kept.tokens.shape[1]:
+            parents = None if kept.parents is None else kept.parents.reshape(-1).tolist()
+            verified.append((list(request.tokens), kept.tokens[0].tolist(), parents))
+        return kept
+
+    monkeypatch.setattr(round_drafts, "without_forbidden", spy)
+    schema = SCHEMAS[9]
+    reference = engine_output(llama, tokenizer, schema)
+    assert engine_output(llama, tokenizer, schema, NgramAssistant(num_draft_tokens=4)) == reference
+    assert engine_output(llama, tokenizer, schema, make_assistant("oracle_tree", llama)) == reference
+    assert cut[0] > 0  # the unconstrained drafters' proposals break the grammar
+    pool = make_assistant("suffix", llama)  # drafts the first answer again: allowed drafts, verified
+    assert engine_output(llama, tokenizer, schema, pool) == engine_output(llama, tokenizer, schema, pool) == reference
+    assert verified
+    prompt = tokenizer(PROMPT)["input_ids"]
+    for tokens, drafts, parents in verified:
+        fresh = constrained(tokenizer, schema)
+        fresh(torch.tensor([prompt]), torch.zeros(1, 96))
+        assert all(fresh.allowed_drafts(tokens, drafts, parents)), (tokens, drafts)

@@ -19,8 +19,10 @@ import weakref
 import torch
 
 from hf_kvspec.speculative.draft_budget import Candidate, Costs, DraftBudget
+from hf_kvspec.speculative.drafters.base import DraftProposal
 from hf_kvspec.speculative.drafters.quantized_self import QuantizedSelfAssistant
 from hf_kvspec.speculative.drafters.suffix import SuffixAssistant
+from hf_kvspec.speculative.rounds import keep_nodes
 
 from .drafting import Drafters, check_assistant, resolve_assistant
 from .mixed_drafting import MixedDrafters
@@ -132,9 +134,10 @@ class RoundDrafts:
         verify = {}
         for index, proposal in zip(asked, proposals):
             request = plan.rows[index].request
-            if self.budget is not None and proposal.tokens.shape[1] == 0:  # asked, found nothing (an n-gram miss):
-                self.budget.record_verdict(request.request_id, 1, 0)  # as good as a rejected draft; a plain row
-                continue
+            proposal = without_forbidden(request, proposal)  # drafts the request's grammar forbids
+            if self.budget is not None and proposal.tokens.shape[1] == 0:  # asked, found nothing (an n-gram miss,
+                self.budget.record_verdict(request.request_id, 1, 0)  # all forbidden): as good as a rejected
+                continue  # draft; a plain row
             verify[index] = VerifyRow(request, proposal)
         return verify
 
@@ -191,6 +194,23 @@ class RoundDrafts:
         self.drafters.drop(request)
         if self.budget is not None:
             self.budget.release([request.request_id])
+
+
+def without_forbidden(request: Request, proposal: DraftProposal) -> DraftProposal:
+    """``proposal`` without the drafts a grammar of the request forbids (``GrammarLogitsProcessor``): they would
+    be verified only to be rejected. Only point-mass drafts or greedy requests: removing a zero-probability
+    candidate then changes nothing (its rejection leaves the target's distribution as it was), where with a
+    drafter's own probabilities it would change the residual the next candidate is tested against."""
+    if proposal.probs is not None and request.settings.do_sample:
+        return proposal
+    parents = None if proposal.parents is None else proposal.parents.reshape(-1).tolist()
+    drafts = proposal.tokens[0].tolist()
+    for processor in request.settings.logits_processor:
+        check = getattr(processor, "allowed_drafts", None)
+        allowed = None if check is None else check(request.tokens, drafts, parents)
+        if allowed is not None and not all(allowed):
+            return keep_nodes(proposal, allowed)
+    return proposal
 
 
 def _costs(model, runner, drafters) -> Costs:

@@ -96,6 +96,30 @@ def cap_proposal(proposal: DraftProposal, max_depth: int, max_nodes: int | None 
                          None if parents is None else parents[..., :keep], proposal.draft_forwards)
 
 
+def keep_nodes(proposal: DraftProposal, keep: list[bool]) -> DraftProposal:
+    """``proposal`` (one row, ``[1, N]``) without the nodes where ``keep`` is False, nor their descendants (a
+    path through a dropped node is dropped); parents re-indexed. A chain keeps its prefix up to the first drop."""
+    parents = None if proposal.parents is None else proposal.parents.reshape(-1).tolist()  # [N]
+    kept: list[int] = []
+    for node, wanted in enumerate(keep):
+        parent = node - 1 if parents is None else parents[node]
+        if wanted and (parent < 0 or parent in kept):
+            kept.append(node)
+        elif parents is None:
+            break
+    if len(kept) == len(keep):
+        return proposal
+    index = torch.tensor(kept, dtype=torch.long, device=proposal.tokens.device)
+    probs = None if proposal.probs is None else proposal.probs.index_select(1, index)
+    new_parents = None
+    if parents is not None:
+        position = {node: i for i, node in enumerate(kept)}
+        new_parents = torch.tensor([position.get(parents[node], -1) for node in kept],
+                                   dtype=proposal.parents.dtype, device=proposal.parents.device)
+        new_parents = new_parents.view(*proposal.parents.shape[:-1], len(kept))
+    return DraftProposal(proposal.tokens.index_select(1, index), probs, new_parents, proposal.draft_forwards)
+
+
 def plan_round(proposal: DraftProposal) -> ChainRound | TreeRound:
     """The round for ``proposal`` (``[A, N]``): a ``TreeRound`` unless it is a chain."""
     return TreeRound(proposal) if is_tree(proposal) else ChainRound(proposal)
