@@ -4,8 +4,9 @@ kernels, plus the verify-cost table c_v(T) stock vs ours. Writes ``spec.defaults
     python scripts/benchmark.py spec --defaults [--num-prompts 35] [--repeats 3] [--new-tokens 64]
 
 Rows (bs=1 unless ``--batch``): ``plain`` = stock ``generate`` (the baseline of every ratio); ``plain+kernels`` =
-``generate`` inside ``hf_kvspec.DecodeKernels(model)`` (so the gain of speculation is told apart from the gain of
-the kernel: ``vs_plain_kernels``); one row per assistant built with its defaults, run through
+``generate`` inside ``hf_kvspec.DecodeKernels(model)``; ``ours-plain`` = ``speculative_generate`` without an
+assistant (the fast forward every assistant's loop runs, so ``vs_ours_plain`` is speculation's own gain); one row
+per assistant built with its defaults, run through
 ``speculative_generate`` as shipped (decode kernels on). Methods rotate per prompt and repeat (interleaved), each
 timed whole (``generate`` call, tokens emitted until EOS or the limit); speed = total tokens / total seconds.
 ``bound`` = tau / (c_v(N + 1) + draft) from this run's c_v(T) table (ours) and the loop's draft time
@@ -30,7 +31,8 @@ from bench.spec_bounds import speedup_bound
 from bench.spec_inputs import BATCH_SUMMARIES, PROMPTS, chat_inputs, new_tokens
 
 PROMPT_FILES = {"chat": "scripts/train_configs/chat_prompts_heldout.jsonl"}
-COLUMNS = ["prompts", "method", "batch", "temperature", "tokens", "tok_per_s", "vs_plain", "vs_plain_kernels", "tau",
+COLUMNS = ["prompts", "method", "batch", "temperature", "tokens", "tok_per_s", "vs_plain", "vs_plain_kernels",
+           "vs_ours_plain", "tau",
            "nodes", "c_v", "draft_steps", "bound", "fallback_rounds", "identical"]
 CV_TOKENS = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64)
 _CODE = '''def mean(values):
@@ -85,6 +87,9 @@ def _call(method: str, model, inputs: dict, settings: dict, build: dict):
     if method == "plain+kernels":
         with hf_kvspec.DecodeKernels(model, plans_file=_plans_file()):
             return model.generate(**inputs, **settings, return_dict_in_generate=True), None
+    if method == "ours-plain":  # the loop without an assistant: the same fast forward the assistants' rows run
+        return model.generate(**inputs, **settings, custom_generate=hf_kvspec.speculative_generate,
+                              return_dict_in_generate=True), None
     out = model.generate(**inputs, **settings, custom_generate=hf_kvspec.speculative_generate,
                          assistant=build[method](), return_dict_in_generate=True)
     return out, out.acceptance
@@ -136,7 +141,7 @@ def run(args) -> None:
                                        "repeats": args.repeats, "prompts_per_set": args.num_prompts,
                                        "model": "smollm2-135m-instruct fp32"})
     build = assistants(model)
-    methods = ["plain", "plain+kernels", *[m for m in build if m in args.default_methods.split(",")]]
+    methods = ["plain", "plain+kernels", "ours-plain", *[m for m in build if m in args.default_methods.split(",")]]
     for kind in args.prompt_sets.split(","):
         prompts = load_prompts(kind, args.num_prompts)
         for batch, temperature in _cases(args):
@@ -151,6 +156,8 @@ def run(args) -> None:
         f"Load average (1, 5, 15 min) before: {load_before}; after: "
         + load_averages() + ".",
         "vs_plain = speed / stock plain generate; vs_plain_kernels = speed / plain generate inside DecodeKernels; "
+        "vs_ours_plain = speed / speculative_generate without an assistant (ours-plain: the fast forward every "
+        "assistant's loop runs, so this ratio is speculation's own gain); "
         "nodes = mean drafts verified per round; c_v = mean c_v(N + 1) over the rounds (ours; bs B: "
         "c_v(B (N + 1)) / c_v(B)); draft_steps = draft seconds per round / one step; bound = tau / (c_v + draft_steps); fallback_rounds = share of rounds that drafted nothing "
         "(auto chose plain decoding); identical = output equal to plain greedy on every prompt (greedy rows).",
@@ -204,7 +211,8 @@ def _add_rows(report, totals, kind, batch, temperature, costs, ours_cv, count) -
         row = {"prompts": f"{kind} x{count}", "method": method, "batch": batch, "temperature": temperature,
                "tokens": entry["tokens"], "tok_per_s": round(speed[method], 2),
                "vs_plain": round(speed[method] / speed["plain"], 3),
-               "vs_plain_kernels": round(speed[method] / speed["plain+kernels"], 3)}
+               "vs_plain_kernels": round(speed[method] / speed["plain+kernels"], 3),
+               "vs_ours_plain": round(speed[method] / speed["ours-plain"], 3)}
         if entry["stats"]:
             merged = hf_kvspec.AcceptanceStats()
             for stats in entry["stats"]:
