@@ -64,7 +64,10 @@ def test_speculating_engine_equals_generate_on_the_bundled_model(bundled, assist
     output is its own greedy ``generate``, drafts are accepted."""
     model, tokenizer = bundled
     chats = [[{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}] for q in QUESTIONS]
-    engine = Engine(model, tokenizer, kv_budget="64MB", max_tokens_per_round=64, max_running=4, assistant=assistant)
+    # fixed draft lengths: every decoding request drafts, so every verify-row path is exercised (under the default
+    # goodput choice the budget rightly keeps some requests at K = 0 on this short run: no tau for them)
+    engine = Engine(model, tokenizer, kv_budget="64MB", max_tokens_per_round=64, max_running=4, assistant=assistant,
+                    draft_lengths="fixed")
     if assistant == "auto":
         assert type(engine.drafts.drafters).__name__ == "MixedDrafters"
     first = engine.add_request(chats[0], max_new_tokens=32)
