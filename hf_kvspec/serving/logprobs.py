@@ -33,14 +33,6 @@ class TokenLogprob:
     top: tuple[tuple[int, float], ...] = ()
 
 
-def check_logprobs(value) -> None:
-    """``logprobs`` of ``add_request``: None (off) or the number of alternatives per token, 0..20."""
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                              or not 0 <= value <= MAX_TOP_LOGPROBS):
-        raise ValueError(f"logprobs must be None (off) or an integer in 0..{MAX_TOP_LOGPROBS} (the alternatives "
-                         f"returned per token; 0: the chosen token's log-probability only), got {value!r}.")
-
-
 def token_logprobs(scores: torch.Tensor, tokens: list[int], top: int) -> tuple[TokenLogprob, ...]:
     """Each of ``tokens`` (``n``) with its log-probability under its row of ``scores`` ``[n, V]`` (processed and
     warped as the request samples) and its row's ``top`` most likely tokens."""

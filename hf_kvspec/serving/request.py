@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .logprobs import TokenLogprob, check_logprobs
+from .logprobs import MAX_TOP_LOGPROBS, TokenLogprob
 
 
 class RequestTooLongError(ValueError):
@@ -85,7 +85,9 @@ class SamplingSettings:
             if not callable(processor):
                 raise ValueError(f"logits_processor entries must be callables (input_ids, scores) -> scores, got "
                                  f"{processor!r}.")
-        check_logprobs(self.logprobs)
+        if self.logprobs is not None:
+            _check_integer("logprobs", self.logprobs, low=0, high=MAX_TOP_LOGPROBS,
+                           hint=" (alternatives per output token; None: no log-probabilities)")
 
 
 MAX_SEED = 2**64 - 1  # the largest seed torch.Generator.manual_seed takes

@@ -102,10 +102,7 @@ def test_completion_logprobs_sampled_n2_match_the_forward_after_temperature(serv
     ("/v1/completions", {"top_logprobs": 2}, "top_logprobs"),
 ])
 def test_bad_logprobs_are_refused_by_name(server, path, body, param):
-    base = {"model": "tiny", "max_tokens": 2}
-    base.update({"messages": [{"role": "user", "content": "t1"}]} if "chat" in path else {"prompt": "t1"})
-    status, _, raw = server.raw("POST", path, json.dumps({**base, **body}))
-    assert status == 400 and json.loads(raw)["error"]["param"] == param, raw
+    assert_refused(server, path, body, param)
 
 
 def test_echo_scores_the_prompt_with_a_plain_forward(server, model, tokenizer):
@@ -142,7 +139,12 @@ def test_echo_scores_the_prompt_with_a_plain_forward(server, model, tokenizer):
     ("/v1/completions", {"echo": "yes"}, "echo"),
 ])
 def test_echo_is_for_completions_and_max_tokens_0_needs_it(server, path, body, param):
+    assert_refused(server, path, body, param)
+
+
+def assert_refused(server, path: str, fields: dict, param: str) -> None:
+    """A small request to ``path`` with ``fields`` added is a 400 naming ``param``."""
     base = {"model": "tiny", "max_tokens": 2}
     base.update({"messages": [{"role": "user", "content": "t1"}]} if "chat" in path else {"prompt": "t1"})
-    status, _, raw = server.raw("POST", path, json.dumps({**base, **body}))
+    status, _, raw = server.raw("POST", path, json.dumps({**base, **fields}))
     assert status == 400 and json.loads(raw)["error"]["param"] == param, raw
