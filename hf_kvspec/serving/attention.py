@@ -20,8 +20,9 @@ Two paths, compared in ``tests/serving/test_attention.py`` (and whole forwards i
     fast       ``ragged_attention``: rows with one new token and no custom mask (decode rows) are gathered
                into padded batches ``[Bd, Hkv, S_max, D]`` with a key-length mask — one SDPA call per group of
                decode rows, the groups chosen by ``split_by_length`` so that a few long rows do not pad many
-               short ones (rows of one length need no mask at all); every other row (a prefill chunk, a draft)
-               gets its own call with its own bottom-right causal (or tree) mask. Groups and masks are built once
+               short ones (rows of one length need no mask at all); rows of a few tokens (verify rows: a token
+               and its drafts) share one call padded to the longest, each with its own bottom-right causal (or
+               tree) mask; every other row (a prefill chunk) gets its own call. Groups and masks are built once
                per forward and reused by every layer; a single call over the whole run returns its result as is.
     reference  ``reference_ragged_attention``: row by row through ``reference_paged_attention`` (token-by-token
                gather, ``repeat_kv``, eager softmax) with masks written out element by element. A ``RaggedKV``
@@ -51,13 +52,17 @@ ATTN_NAME = RAGGED_ATTN_NAME
 
 @dataclass(frozen=True)
 class _Group:
-    """Rows attended by one SDPA call."""
+    """Rows attended by one SDPA call, of one of three kinds: ``batched``, B decode rows of one token each;
+    ``padded``, B rows of a few tokens each (verify rows), queries padded to the longest (``valid`` marks the real
+    ones); else one row of Tg tokens."""
 
-    columns: torch.Tensor | slice  # packed query columns of the group, row-major
+    columns: torch.Tensor | slice  # packed query columns: row-major; padded: [B, Tq] (padding repeats a real one)
     block_tables: torch.Tensor  # [B, M] (padded with block 0: R2 of cache/ragged.py keeps pages finite)
     kv_length: int  # S of the gather (the longest row's)
     mask: torch.Tensor | None  # [B, 1, Tg, S] bool, True = attend; None: every gathered key is visible
-    batched: bool  # True: B decode rows of one token each; False: one row of Tg tokens
+    batched: bool  # True: B decode rows of one token each
+    valid: torch.Tensor | None = None  # padded: [B, Tq] bool, the real queries
+    out_columns: torch.Tensor | None = None  # padded: packed columns of the real queries, row-major
 
 
 # ---- masks ----------------------------------------------------------------------------------------------
@@ -109,6 +114,11 @@ def split_by_length(lengths: Sequence[int], call_cost: int | None = None) -> lis
     return groups[::-1]
 
 
+#: rows of more than one and at most this many new tokens (verify rows: a decode row's token and its drafts) share
+#: one padded call; longer rows (prefill chunks) get their own. Speed only; results do not depend on it.
+MAX_PADDED_QUERIES = 32
+
+
 def _groups(view: RaggedKV, window: int | None, device: torch.device) -> list[_Group]:
     """The SDPA calls of one forward (built once, reused by every layer with the same window)."""
     key = ("groups", window)
@@ -118,7 +128,12 @@ def _groups(view: RaggedKV, window: int | None, device: torch.device) -> list[_G
         decode = [r for r in rows if view.query_lengths[r] == 1 and view.new_token_masks[r] is None]
         split = split_by_length([view.kv_lengths[r] for r in decode])
         groups = [_decode_group(view, [decode[i] for i in part], window, device) for part in split]
-        groups += [_row_group(view, r, window, device) for r in rows if r not in set(decode)]
+        rest = [r for r in rows if r not in set(decode)]
+        few = [r for r in rest if view.query_lengths[r] <= MAX_PADDED_QUERIES]
+        if len(few) > 1:
+            groups.append(_padded_group(view, few, window, device))
+            rest = [r for r in rest if r not in set(few)]
+        groups += [_row_group(view, r, window, device) for r in rest]
         view.memo[key] = groups
     return view.memo[key]
 
@@ -155,6 +170,29 @@ def _row_group(view: RaggedKV, r: int, window: int | None, device: torch.device)
     return _Group(columns, view.block_tables[r][None], view.kv_lengths[r], mask[None, None], batched=False)
 
 
+def _padded_group(view: RaggedKV, rows: list[int], window: int | None, device: torch.device) -> _Group:
+    """Rows of a few new tokens each in one call: queries padded to the longest row's ``Tq``, keys to the longest
+    row's ``S``; each row keeps its own mask (``row_mask``: causal or its tree), a padding query sees key 0 only
+    (so no query row is fully masked) and its result is dropped."""
+    queries = max(view.query_lengths[r] for r in rows)
+    keys = max(view.kv_lengths[r] for r in rows)
+    width = max(len(view.block_tables[r]) for r in rows)
+    tables = torch.zeros(len(rows), width, dtype=torch.long, device=device)
+    mask = torch.zeros(len(rows), queries, keys, dtype=torch.bool, device=device)
+    valid = torch.zeros(len(rows), queries, dtype=torch.bool)
+    columns = torch.zeros(len(rows), queries, dtype=torch.long)
+    for i, r in enumerate(rows):
+        new_tokens, length, first = view.query_lengths[r], view.kv_lengths[r], view.query_starts[r]
+        tables[i, : len(view.block_tables[r])] = view.block_tables[r]
+        mask[i, :new_tokens, :length] = row_mask(length - new_tokens, new_tokens, window, view.new_token_masks[r],
+                                                 device)
+        mask[i, new_tokens:, 0] = True
+        valid[i, :new_tokens] = True
+        columns[i] = first + torch.arange(queries).clamp_max(new_tokens - 1)
+    return _Group(columns.to(device), tables, keys, mask[:, None], batched=False, valid=valid.to(device),
+                  out_columns=columns[valid].to(device))
+
+
 def _is_whole(columns: torch.Tensor | slice, tokens: int) -> bool:
     return isinstance(columns, slice) and columns == slice(0, tokens)
 
@@ -176,17 +214,22 @@ def ragged_attention(
     for group in groups:
         if group.batched:
             rows_query = query[0, :, group.columns].transpose(0, 1)[:, :, None]  # [Bd, Hq, 1, D]
+        elif group.valid is not None:
+            rows_query = query[0, :, group.columns].transpose(0, 1)  # [B, Hq, Tq, D]
         else:
             rows_query = query[:, :, group.columns]  # [1, Hq, Tg, D]
         keys = gather_blocks(key_pages, group.block_tables, group.kv_length)  # [B, Hkv, S, D]
         values = gather_blocks(value_pages, group.block_tables, group.kv_length)
         result = grouped_attention(rows_query, keys, values, group.mask, scaling, softcap, is_causal=False)
-        result = result[:, 0] if group.batched else result[0]  # [Bd, Hq, Dv] / [Tg, Hq, Dv]
-        if len(groups) == 1 and _is_whole(group.columns, query.shape[2]):
+        if group.valid is not None:  # [B, Tq, Hq, Dv] -> the real queries [n, Hq, Dv], row-major
+            result, columns = result[group.valid], group.out_columns
+        else:
+            result, columns = (result[:, 0] if group.batched else result[0]), group.columns  # [Bd|Tg, Hq, Dv]
+        if len(groups) == 1 and _is_whole(columns, query.shape[2]):
             return result[None]  # one call covered the whole packed run, in order: no copy
         if out is None:
             out = query.new_empty(query.shape[2], query.shape[1], value_pages.shape[-1])  # [T, Hq, Dv]
-        out[group.columns] = result
+        out[columns] = result
     return out[None]
 
 

@@ -1,30 +1,26 @@
-"""Drafting inside the serving engine: every decoding request has its own drafter session, a private copy of the
-engine's assistant begun on that request alone (a one-row ``DraftContext``).
+"""Drafting inside the serving engine through per-request sessions: a draft model, or an assistant of the user's
+own, gets a private copy begun on each decoding request alone (a one-row ``DraftContext``). The engine's own
+drafters need no copies: EAGLE/Medusa heads keep a state per request and draft for all of them in one call
+(``head_drafting.py``), n-gram lookups read each request's tokens (``lookup_drafting.py``), and self-drafting and
+the suffix pool have theirs (``self_drafting.py``, ``suffix_drafting.py``). ``Drafters`` below is also the base
+those share: features gathered before a request's state begins, limits, and forgetting a request.
 
 Boundary: adapts the speculative package's ``Assistant`` protocol — made for one rectangular ``generate`` call —
 to requests that join, leave and are recomputed between rounds. It owns the sessions and the target features
 gathered for them; verification is ``speculation.py``'s, the forward ``runner.py``'s, K/V ``RaggedPagedCache``'s.
 
-Why one session per request rather than one batched context rebuilt every round:
-    - exact under joins, leaves and preemption by construction: a session begins when the request's prefill
-      ends, from that request's own tokens and the target features of its own packed columns, and is dropped
-      when the request finishes, is cancelled or preempted (a recompute begins a new session when its new
-      prefill ends). Nothing of one request's drafter state can leak into another's.
-    - the assistants keep per-call state aligned with one rectangular buffer (EAGLE's draft-layer cache column
-      by column, a draft model's cache, Medusa's newest feature). With rows of different lengths arriving at
-      any round, a batched context would have to re-align or re-prefill every drafter's state whenever the set
-      of rows changes; a one-row buffer per request never needs either.
-    - the price is one ``propose`` per drafting request per round instead of one batched call. Measured on the
-      bundled model, 1 thread, 8 requests (docs/engine.md, "Speculation"): n-gram ~0.3 ms per request per round,
-      the bundled EAGLE head ~31 ms (one head forward per tree level), against ~300-500 ms for the round's
-      forward. Batching the heads' forwards across sessions is the next step for tree drafters.
-Assistants keep their per-call state in attributes set by ``begin``; a session takes a shallow copy (models and
-heads shared, state its own). The engine sizes drafts from its token budget, so a copy's ``"auto"`` draft-length
-tuner is switched off (``auto = None``): it measures one ``generate`` call's rows, not a shared round.
+Why one session per request for an arbitrary assistant: such an assistant keeps per-call state aligned with one
+rectangular buffer (a draft model's cache, column by column). With rows of different lengths arriving at any
+round, one batched context would have to re-align or re-prefill that state whenever the set of rows changes; a
+one-row buffer per request never needs either, and is exact under joins, leaves and preemption by construction:
+a session begins when the request's prefill ends, from that request's own tokens and features, and is dropped when
+the request finishes, is cancelled or preempted. The price is one ``propose`` per drafting request per round (a
+draft model's forwards are not yet packed across requests). A session takes a shallow copy of the assistant
+(models shared, state its own) with its ``"auto"`` draft-length tuner off: the engine's budget sizes the drafts.
 
 Features (assistants with ``wants_hidden_states``): the runner captures the target's features on the packed
-forward (``FeatureCapture``) and each request gets its own columns. Until its session begins they are gathered
-(prefill chunks); the session begins with them; afterwards each round's ``observe`` gets the columns of the
+forward (``FeatureCapture``) and each request gets its own columns. Until its state begins they are gathered
+(prefill chunks); the state begins with them; afterwards each round's ``observe`` gets the columns of the
 root and the accepted path. Columns a request never fed (a prefix-cache hit) have no features: EAGLE takes zeros
 for them, which stays exact (only fewer drafts are accepted).
 
@@ -185,17 +181,23 @@ class Drafters:
         """Begin ``request``'s session on its tokens (its prefill, or a plain decode step, has just ended)."""
         stale = self.sessions.pop(request.request_id, None)
         if stale is not None:  # a recompute whose preemption bypassed the engine (Scheduler.preempt)
-            stale.end()
+            self._end(stale)
         gathered = self._gathered.pop(request.request_id, [])
         features = torch.cat(gathered)[None] if self.feature_layers is not None and gathered else None
         if self.feature_layers is not None and features is None:
             return  # a feature drafter needs at least the newest column's feature: begin after the next forward
-        self.sessions[request.request_id] = DraftSession(self.assistant, self.target, request.tokens, features,
-                                                         self.pad_token_id)
+        self.sessions[request.request_id] = self._begin(request, features)
+
+    def _begin(self, request: Request, features: torch.Tensor | None):
+        """The session of ``request`` (features ``[1, C, F]`` | None)."""
+        return DraftSession(self.assistant, self.target, request.tokens, features, self.pad_token_id)
+
+    def _end(self, session) -> None:
+        session.end()
 
     def drop(self, request: Request) -> None:
         """``request`` finished, was cancelled or preempted, or its session broke: forget its drafter state."""
         self._gathered.pop(request.request_id, None)
         session = self.sessions.pop(request.request_id, None)
         if session is not None:
-            session.end()
+            self._end(session)

@@ -3,10 +3,12 @@ the round's measurements teach the draft budget.
 
 Boundary: between the engine and its drafters. The engine schedules (``scheduler.py``), runs the packed forward
 (``runner.py``) and commits; this class chooses each decoding request's K before scheduling, as its draft limit
-(``hf_kvspec.speculative.draft_budget``, or ``num_draft_tokens`` under ``"fixed"``), asks
-the drafter for the proposals (per-request sessions, ``drafting.py``, or the batched self-drafter,
-``self_drafting.py``) and turns them into verify rows (``speculation.py``); it hands the drafter each round's
-verdict and features, and forgets a request's drafter state when it leaves.
+(``hf_kvspec.speculative.draft_budget``, or ``num_draft_tokens`` under ``"fixed"``), asks the drafter for the
+proposals and turns them into verify rows (``speculation.py``); it hands the drafter each round's verdict and
+features, and forgets a request's drafter state when it leaves. The drafters: EAGLE/Medusa heads in one batched
+call (``head_drafting.py``), n-gram lookups (``lookup_drafting.py``), the batched self-drafter
+(``self_drafting.py``), the suffix pool (``suffix_drafting.py``), and per-request sessions for draft models and
+assistants of the user's own (``drafting.py``).
 
 Costs are shared: the engines of one model, forward kind, thread count and drafter type in a process keep one
 ``draft_budget.Costs`` (``_COSTS``), so a new engine starts from what earlier ones measured.
@@ -25,6 +27,8 @@ from hf_kvspec.speculative.drafters.suffix import SuffixAssistant
 from hf_kvspec.speculative.rounds import keep_nodes
 
 from .drafting import Drafters, check_assistant, resolve_assistant
+from .head_drafting import HEAD_ASSISTANTS, HeadDrafters
+from .lookup_drafting import LOOKUP_ASSISTANTS, LookupDrafters
 from .mixed_drafting import MixedDrafters
 from .request import Request
 from .scheduler import RoundPlan
@@ -59,7 +63,10 @@ def make_drafters(assistant, model, cache, num_draft_tokens: int | None, step_se
         return SelfDrafters(assistant, cache, num_draft_tokens)
     check_assistant(assistant, sliding=any(layer.is_sliding for layer in cache.layers))
     pad = model.generation_config.pad_token_id
-    return Drafters(assistant, model, num_draft_tokens, pad if isinstance(pad, int) else 0)
+    # the exact classes: a subclass may draft otherwise than the batched paths assume
+    kind = HeadDrafters if type(assistant) in HEAD_ASSISTANTS else (
+        LookupDrafters if type(assistant) in LOOKUP_ASSISTANTS else Drafters)
+    return kind(assistant, model, num_draft_tokens, pad if isinstance(pad, int) else 0)
 
 
 def auto_assistants(model) -> list[str] | str:
@@ -102,7 +109,8 @@ class RoundDrafts:
     def runs_target_outside(self) -> bool:
         """Whether drafting may run the target's own forward outside the engine's attention (a draft model that is
         the target): then the engine must not hold its attention switch across rounds."""
-        return isinstance(self.drafters, (Drafters, MixedDrafters))
+        drafters = self.drafters.model if isinstance(self.drafters, MixedDrafters) else self.drafters
+        return isinstance(drafters, Drafters) and not isinstance(drafters, (HeadDrafters, LookupDrafters))
 
     # ---- before and after scheduling ---------------------------------------------------------------------
     def set_limits(self, running: list[Request]) -> None:

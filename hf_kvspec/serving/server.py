@@ -376,19 +376,11 @@ async def _stream(state: ServerState, params: GenerationParams, prompts: Prompts
     texts = [ChoiceText(state.engine.tokenizer, params.stop) for _ in choices]
     logprobs = [ChoiceLogprobs(state.engine.tokenizer) for _ in choices]
     completion_tokens, streamed, open_choices = 0, 0, len(choices)
-
-    def so_far() -> dict | None:  # stream_options.continuous_usage_stats: the usage in every chunk
-        return usage(prompts.tokens, streamed) if params.continuous_usage else None
+    so_far = lambda: usage(prompts.tokens, streamed) if params.continuous_usage else None  # noqa: E731
 
     try:
-        if params.kind == "chat":
-            for choice in choices:
-                yield sse(chunk_body(params, response_id, model, choice.index, None, first=True, usage_=so_far()))
-        for choice in choices if prompts.echoes is not None else ():
-            echo = prompts.echo(choice.index)
-            decoded = echo.start(logprobs[choice.index])
-            yield sse(chunk_body(params, response_id, model, choice.index, echo.text, usage_=so_far(),
-                                 logprobs=logprobs_body(params.kind, decoded) if params.logprobs is not None else None))
+        for body in _opening_chunks(params, prompts, choices, logprobs, (response_id, model), so_far):
+            yield sse(body)
         while open_choices:
             choice, event = await merged.get()
             if event.error is not None:
@@ -413,6 +405,20 @@ async def _stream(state: ServerState, params: GenerationParams, prompts: Prompts
         state.worker.cancel(choices)  # a disconnect lands here too (the response task is cancelled)
         for pump in pumps:
             pump.cancel()
+
+
+def _opening_chunks(params: GenerationParams, prompts: Prompts, choices: list[Choice], logprobs: list, ids: tuple,
+                    so_far):
+    """A stream's first chunk bodies: the chat role per choice, then (``echo``) each choice's prompt text.
+    ``ids``: (response id, model name)."""
+    if params.kind == "chat":
+        for choice in choices:
+            yield chunk_body(params, *ids, choice.index, None, first=True, usage_=so_far())
+    for choice in choices if prompts.echoes is not None else ():
+        echo = prompts.echo(choice.index)
+        decoded = echo.start(logprobs[choice.index])
+        yield chunk_body(params, *ids, choice.index, echo.text, usage_=so_far(),
+                         logprobs=logprobs_body(params.kind, decoded) if params.logprobs is not None else None)
 
 
 async def _pump(choice: Choice, merged: asyncio.Queue) -> None:

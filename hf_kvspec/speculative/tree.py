@@ -304,26 +304,60 @@ def grow_dynamic_tree(root_logprobs: torch.Tensor, expand: Expand, depth: int, t
     nodes, where pool = ``top_k + (depth - 1) * top_k**2``. Deviation from the paper: no special cases for the
     root beyond it being fed already (its logits come from the catch-up forward).
     """
+    return grow_dynamic_pool(root_logprobs, expand, depth, top_k).tree(total_tokens)
+
+
+@dataclass(frozen=True)
+class DynamicPool:
+    """Every node an EAGLE-2 growth drafted, in level order (parents before children): ``scores`` (cumulative draft
+    log-probabilities), ``tokens`` and ``parents`` (pool ids, ``-1`` = the root) ``[B, P]``; ``level`` ``[P]``
+    1-based. The tree of a row is its best nodes (``tree``); a row's tree of fewer levels or nodes is the same
+    re-ranking over the pool's shallower part (``row_tree``), so rows drafting different sizes grow together."""
+
+    scores: torch.Tensor
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    level: torch.Tensor
+
+    def tree(self, total_tokens: int) -> CandidateTree:
+        """``[B, min(total_tokens, P)]``: every row's best nodes, re-indexed level by level."""
+        return _rerank(self.scores, self.tokens, self.parents, total_tokens)
+
+    def row_tree(self, row: int, total_tokens: int, depth: int) -> CandidateTree:
+        """``[1, N]``: row ``row``'s best ``total_tokens`` nodes no deeper than ``depth``, exactly the tree
+        ``grow_dynamic_tree`` grows for that row alone with ``depth`` levels (the frontier of a level does not
+        depend on deeper levels)."""
+        shallow = self.level <= depth  # [P]
+        scores = self.scores[row:row + 1].masked_fill(~shallow, float("-inf"))
+        total = min(total_tokens, int(shallow.sum()))
+        return _rerank(scores, self.tokens[row:row + 1], self.parents[row:row + 1], total)
+
+
+def grow_dynamic_pool(root_logprobs: torch.Tensor, expand: Expand, depth: int, top_k: int) -> DynamicPool:
+    """The expansion of ``grow_dynamic_tree`` (``depth`` levels) without its re-ranking: the whole pool."""
     batch = root_logprobs.shape[0]
     device = root_logprobs.device
     scores, tokens = root_logprobs.topk(top_k, dim=-1)  # [B, k]
     pool_scores, pool_tokens = [scores], [tokens]
     pool_parents = [torch.full((batch, top_k), -1, dtype=torch.long, device=device)]
+    levels = [torch.full((top_k,), 1, dtype=torch.long, device=device)]
     frontier = torch.arange(top_k, device=device).expand(batch, top_k)  # pool ids of the nodes to expand
     slot = torch.full((batch, top_k), -1, dtype=torch.long, device=device)
     offset = top_k
-    for _ in range(depth - 1):
+    for level in range(2, depth + 1):
         logprobs = expand(tokens, slot)  # [B, k, V]
         child_scores, child_tokens = logprobs.topk(top_k, dim=-1)  # [B, k, k]
         cumulative = (scores[..., None] + child_scores).flatten(1)  # [B, k*k]
         pool_scores.append(cumulative)
         pool_tokens.append(child_tokens.flatten(1))
         pool_parents.append(frontier.repeat_interleave(top_k, dim=1))
+        levels.append(torch.full((cumulative.shape[1],), level, dtype=torch.long, device=device))
         best = _stable_top(cumulative, top_k)  # [B, k] next frontier, positions within this level
         scores, tokens = cumulative.gather(1, best), child_tokens.flatten(1).gather(1, best)
         frontier, slot = offset + best, best // top_k
         offset += cumulative.shape[1]
-    return _rerank(torch.cat(pool_scores, 1), torch.cat(pool_tokens, 1), torch.cat(pool_parents, 1), total_tokens)
+    return DynamicPool(torch.cat(pool_scores, 1), torch.cat(pool_tokens, 1), torch.cat(pool_parents, 1),
+                       torch.cat(levels))
 
 
 def _stable_top(scores: torch.Tensor, count: int) -> torch.Tensor:

@@ -75,6 +75,24 @@ def test_tree_mask_rows_match_reference():
     assert not torch.allclose(got, ragged_attention(query, key_pages, value_pages, causal, 0.25))
 
 
+@pytest.mark.parametrize("window", [None, 6])
+def test_verify_rows_share_one_padded_call_and_match_reference(window):
+    """Rows of a few tokens (verify rows: chains, and trees when no window) share one padded call beside the decode
+    rows' call and a long prefill chunk's own call; padding queries and keys never reach the result."""
+    tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
+    rows = [(7, 1), (10, 4), (2, 3), (30, 4), (5, 40), (0, 2), (19, 1)]
+    masks = [None, None if window else tree, None, None if window else tree, None, None, None]
+    query, key_pages, value_pages, view = ragged_case(rows, 3, seed=5, masks=masks)
+    got = ragged_attention(query, key_pages, value_pages, view, 0.25, None, window)
+    expected = reference_ragged_attention(query, key_pages, value_pages, view, 0.25, None, window)
+    assert not got.isnan().any()
+    torch.testing.assert_close(got, expected, **TOL)
+    groups = attention._groups(view, window, query.device)
+    padded = [g for g in groups if g.valid is not None]
+    assert len(padded) == 1 and padded[0].valid.sum(dim=1).tolist() == [4, 3, 4, 2]
+    assert sum(g.valid is None and not g.batched for g in groups) == 1  # the 40-token chunk alone
+
+
 def test_tree_mask_on_a_sliding_window_layer_is_refused():
     tree = torch.ones(2, 2, dtype=torch.bool).tril()
     query, key_pages, value_pages, view = ragged_case([(3, 2)], 1, seed=0, masks=[tree])

@@ -147,7 +147,7 @@ def test_eagle_dynamic_tree_matches_a_cache_free_reference(target, feature_layer
     proposal = assistant.propose(_ctx(buffer, 99))
     assert proposal.tokens.shape == (3, 10) and proposal.parents.shape == (3, 10) and proposal.probs is None
     assert proposal.draft_forwards == 3
-    assert assistant.cache.get_seq_length() == buffer.width - 1  # tree rows rolled back
+    assert assistant.rows.cache.get_seq_length() == buffer.width - 1  # tree rows rolled back
     for row, prompt in enumerate(PROMPTS):
         reference = _reference_tree(head, target, prompt, 3, 3, 10)
         assert proposal.tokens[row].tolist() == reference.tokens[0].tolist()
@@ -196,8 +196,8 @@ def test_eagle_cache_after_a_round_equals_a_fresh_drafters(target):
     fresh.begin(target, buffer, all_features)
     fresh_proposal = fresh.propose(_ctx(buffer, 99))
     real = buffer.mask[:, : buffer.width - 1].bool()  # [B, W - 1]
-    for ours, theirs in ((assistant.cache.layers[0].keys, fresh.cache.layers[0].keys),
-                         (assistant.cache.layers[0].values, fresh.cache.layers[0].values)):
+    for ours, theirs in ((assistant.rows.cache.layers[0].keys, fresh.rows.cache.layers[0].keys),
+                         (assistant.rows.cache.layers[0].values, fresh.rows.cache.layers[0].values)):
         assert ours.shape == theirs.shape
         for row in range(3):  # holes hold junk; real columns agree (fp32, different row batching)
             torch.testing.assert_close(ours[row][:, real[row]], theirs[row][:, real[row]], atol=1e-5, rtol=1e-5)

@@ -22,6 +22,7 @@ Shapes: ``B`` rows, ``W`` buffer width, ``m`` fed rows, ``H`` hidden, ``F`` feat
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
@@ -32,7 +33,13 @@ from hf_kvspec.speculative.draft_vocab import DraftVocabulary
 from hf_kvspec.speculative.drafters.base import Assistant, DraftContext, DraftProposal, RoundOutcome
 from hf_kvspec.speculative.drafters.checks import require_count, require_head, require_rank_fits
 from hf_kvspec.speculative.drafters.features import begin_with_features
-from hf_kvspec.speculative.tree import grow_dynamic_tree, grow_static_tree, static_tree
+from hf_kvspec.speculative.tree import (
+    StaticTree,
+    grow_dynamic_pool,
+    grow_dynamic_tree,
+    grow_static_tree,
+    static_tree,
+)
 
 
 class EagleAssistant(Assistant):
@@ -85,88 +92,121 @@ class EagleAssistant(Assistant):
         self._fitted: dict[tuple, object] = {}
         self.feature_layers = tuple(head.config.feature_layers)
         self.depth, self.top_k, self.total_tokens = depth, top_k, total_tokens
-        self.cache = None
-        self.cached = 0  # buffer columns in the drafter cache
-        self.pending = None  # [B, m, F] target features of buffer columns cached .. cached + m - 1
-        self.root_hidden = None  # [B, H] draft output that scores the root's children
+        self.rows: EagleRows | None = None  # the call's drafter state, aligned with the loop's buffer
 
     # ------------------------------------------------------------------------------------------ state
     def begin(self, target, buffer, target_hidden=None) -> None:
         super().begin(target, buffer, target_hidden)
+        self.rows = self.open_rows(target, buffer.width, target_hidden)
+
+    def open_rows(self, target, width: int, target_hidden: torch.Tensor | None) -> EagleRows:
+        """Fresh drafter state for rows of ``width`` buffer columns whose prompt features ``target_hidden``
+        ``[B, P', F]`` the target's forward returned (zeros for the ``width - 1 - P'`` columns a cache held
+        already: still exact, fewer drafts accepted). Attaches the head to ``target``."""
         begin_with_features(self, self.head, target, target_hidden)
-        width = len(self.feature_layers) * self.head.config.base_hidden_size
-        if target_hidden.shape[-1] != width:
-            raise ValueError(f"the drafter reads target layers {list(self.feature_layers)} ({width} features per "
+        size = len(self.feature_layers) * self.head.config.base_hidden_size
+        if target_hidden.shape[-1] != size:
+            raise ValueError(f"the drafter reads target layers {list(self.feature_layers)} ({size} features per "
                              f"token) but got {target_hidden.shape[-1]}; pass FeatureCapture(target, "
                              f"{list(self.feature_layers)}).features() as the target's hidden states.")
-        self.cache, self.cached, self.root_hidden = DynamicCache(), 0, None
-        missing = buffer.width - 1 - target_hidden.shape[1]  # prompt columns a caller's cache held already
-        self.pending = torch.nn.functional.pad(target_hidden, (0, 0, max(missing, 0), 0))  # zeros: still exact
+        missing = width - 1 - target_hidden.shape[1]  # prompt columns a caller's cache held already
+        return EagleRows(DynamicCache(), 0, torch.nn.functional.pad(target_hidden, (0, 0, max(missing, 0), 0)))
 
     def observe(self, outcome: RoundOutcome) -> None:
         super().observe(outcome)
-        new = outcome.kept_width - self.cached - self.pending.shape[1]  # columns committed this round
-        self.pending = torch.cat([self.pending, outcome.target_hidden[:, :new].to(self.pending.dtype)], dim=1)
+        self.rows.observe(outcome.kept_width, outcome.target_hidden)
 
     def select_rows(self, index: torch.Tensor) -> None:
-        if self.cache is not None and self.cache.get_seq_length() > 0:
-            self.cache.batch_select_indices(index)
-        device_index = index.to(self.pending.device)
-        self.pending = self.pending[device_index]
-        if self.root_hidden is not None:
-            self.root_hidden = self.root_hidden[device_index]
+        self.rows.select(index)
 
     def kernel_modules(self) -> tuple:
         return (self.head,)
 
     def end(self) -> None:
-        self.cache = self.pending = self.root_hidden = None
+        self.rows = None
 
     # ------------------------------------------------------------------------------------------ drafting
     @torch.no_grad()
     def propose(self, ctx: DraftContext) -> DraftProposal:
-        buffer, count = ctx.buffer, ctx.num_draft_tokens
-        root_hidden = self._catch_up(buffer)  # [B, H]
-        root_logprobs = self._logprobs(root_hidden[:, None])[:, 0]  # [B, V] (V': draft vocabulary columns)
-        expand = _TreeRows(self, root_hidden, buffer)
+        count = ctx.num_draft_tokens
+        depth = self.auto.shape.depth if isinstance(self.auto, AutoTreeSize) else self.depth
         max_depth = ctx.max_depth or count  # the loop's cap near max_new_tokens
+        root_logprobs, expand = self._root(self.rows, ctx.buffer)
         if self.static is None:
-            depth = self.auto.shape.depth if isinstance(self.auto, AutoTreeSize) else self.depth
             tree = grow_dynamic_tree(root_logprobs, expand, max(1, min(depth, count, max_depth)), self.top_k,
                                      min(self.total_tokens, count))
             parents = tree.parents  # [B, N] per row
         else:
-            key = (count, max_depth)
-            if key not in self._fitted:
-                self._fitted[key] = fit_tree(self.static, count, max_depth)
-            static = self._fitted[key]
-            tree, parents = grow_static_tree(root_logprobs, expand, static), static.parents.to(root_hidden.device)
-        tree_rows = self.cache.get_seq_length() - self.cached
-        if tree_rows:
-            self.cache.crop(-tree_rows)  # roll back the tree rows
+            static = self._static_tree(count, max_depth)
+            tree, parents = grow_static_tree(root_logprobs, expand, static), static.parents.to(root_logprobs.device)
+        self.rows.crop_tree()
         return DraftProposal(self.target_ids(tree.tokens), None, parents, draft_forwards=1 + expand.calls)
+
+    @torch.no_grad()
+    def propose_each(self, rows: list[EagleRows], tokens: list[list[int]], counts: list[int],
+                     max_depths: list[int]) -> list[DraftProposal]:
+        """One proposal ``[1, N_i]`` per one-row state ``rows[i]`` (a request of the serving engine, its tokens
+        ``tokens[i]``, the last not yet fed to the target), of at most ``counts[i]`` nodes and ``max_depths[i]``
+        levels: all rows drafted together, one head forward for the catch-up and one per tree level, as the
+        same rows would be in one rectangular call (``stack_rows``; each row's tree is the one it would grow
+        alone). Each state keeps its own catch-up."""
+        batch, buffer, new = stack_rows(rows, tokens)
+        root_logprobs, expand = self._root(batch, buffer)
+        batch.unstack_catch_up(rows, new)
+        deepest = max(1, min(self.depth, max(counts), max(max_depths)))
+        if self.static is None:
+            pool = grow_dynamic_pool(root_logprobs, expand, deepest, self.top_k)
+            trees = [pool.row_tree(i, min(self.total_tokens, count), max(1, min(self.depth, count, depth)))
+                     for i, (count, depth) in enumerate(zip(counts, max_depths))]
+            proposals = [DraftProposal(self.target_ids(tree.tokens), None, tree.parents, 1 + expand.calls)
+                         for tree in trees]
+        else:  # one growth over the union of the rows' trees; a node's token does not depend on its siblings
+            trees = [self._static_tree(count, depth) for count, depth in zip(counts, max_depths)]
+            order = {choice: n for n, choice in enumerate(self.static.choices)}
+            union = StaticTree.from_choices(sorted(set().union(*(t.choices for t in trees)), key=order.__getitem__))
+            node = {choice: n for n, choice in enumerate(union.choices)}
+            tokens = self.target_ids(grow_static_tree(root_logprobs, expand, union).tokens)  # [R, N_union]
+            proposals = [DraftProposal(tokens[i:i + 1, [node[c] for c in tree.choices]], None,
+                                       tree.parents.to(tokens.device), 1 + expand.calls)
+                         for i, tree in enumerate(trees)]
+        return proposals
+
+    def _root(self, rows: EagleRows, buffer) -> tuple[torch.Tensor, _TreeRows]:
+        """The catch-up over ``buffer``'s new columns -> (the root's children's log-probabilities [B, V], the
+        tree's ``expand`` callback)."""
+        root_hidden = self._catch_up(rows, buffer)  # [B, H]
+        root_logprobs = self._logprobs(root_hidden[:, None])[:, 0]  # [B, V] (V': draft vocabulary columns)
+        return root_logprobs, _TreeRows(self, rows, root_hidden, buffer)
+
+    def _static_tree(self, count: int, max_depth: int):
+        key = (count, max_depth)
+        if key not in self._fitted:
+            self._fitted[key] = fit_tree(self.static, count, max_depth)
+        return self._fitted[key]
 
     def target_ids(self, tokens: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary columns -> target token ids: the ranking's (``draft_vocab_size=``), the head's own trained
         vocabulary (``d2t``, EAGLE-3), or the identity."""
         return self.head.draft_to_target(tokens) if self.vocab is None else self.vocab.to_target(tokens)
 
-    def _catch_up(self, buffer) -> torch.Tensor:
+    def _catch_up(self, rows: EagleRows, buffer) -> torch.Tensor:
         """Feed buffer columns ``cached .. width - 2`` with their target features -> ``[B, H]`` the output at each
         row's last real column (kept from the last call when nothing new was committed)."""
-        start, end = self.cached, buffer.width - 1
+        start, end = rows.cached, buffer.width - 1
         if end == start:
-            return self.root_hidden
+            return rows.root_hidden
         positions = buffer.positions[:, start:end]  # [B, m]
         mask = additive_mask(_catch_up_mask(buffer.mask[:, :end], start), self.head.dtype)  # [B, 1, m, end]
         out = self.head(next_real_tokens(buffer.tokens, buffer.mask)[:, start:end],
-                        features=self.pending.to(self.head.dtype), position_ids=positions, attention_mask=mask,
-                        cache=self.cache, return_logits=False)
-        last = _last_real(buffer.mask[:, :end]).clamp_min(start) - start  # [B]
-        rows = torch.arange(last.shape[0], device=last.device)
-        self.cached, self.pending = end, self.pending[:, :0]
-        self.root_hidden = out.hidden_states[rows, last]
-        return self.root_hidden
+                        features=rows.pending.to(self.head.dtype), position_ids=positions, attention_mask=mask,
+                        cache=rows.cache, return_logits=False)
+        last = _last_real(buffer.mask[:, :end])  # [B]
+        index = torch.arange(last.shape[0], device=last.device)
+        hidden = out.hidden_states[index, last.clamp_min(start) - start]  # [B, H]
+        if rows.root_hidden is not None:  # a row with no new real column keeps its last root's output
+            hidden = torch.where((last >= start)[:, None], hidden, rows.root_hidden.to(hidden.dtype))
+        rows.cached, rows.pending, rows.root_hidden = end, rows.pending[:, :0], hidden
+        return hidden
 
     def _logprobs(self, draft_hidden: torch.Tensor) -> torch.Tensor:
         # [B, m, H] -> [B, m, V] float32 log-probabilities of the next token ([B, m, V'] over the draft vocabulary)
@@ -177,13 +217,114 @@ class EagleAssistant(Assistant):
         return torch.log_softmax(logits.float(), dim=-1)
 
 
+@dataclass
+class EagleRows:
+    """The drafter's state for ``B`` rows aligned with a token buffer: column c of ``cache`` (the head's one layer)
+    is buffer column c; ``pending`` ``[B, m, F]`` are the target features of columns ``cached .. cached + m - 1``,
+    not fed yet; ``root_hidden`` ``[B, H]`` is the output that scored the last root's children."""
+
+    cache: DynamicCache
+    cached: int
+    pending: torch.Tensor
+    root_hidden: torch.Tensor | None = None
+
+    def observe(self, kept_width: int, target_hidden: torch.Tensor) -> None:
+        """The target now holds ``kept_width`` columns; ``target_hidden`` ``[B, >= new, F]`` starts with the features
+        of the columns committed since the last round (the root's, then the accepted path's)."""
+        new = kept_width - self.cached - self.pending.shape[1]
+        self.pending = torch.cat([self.pending, target_hidden[:, :new].to(self.pending.dtype)], dim=1)
+
+    def select(self, index: torch.Tensor) -> None:
+        """Keep rows ``index`` [A] (a CPU tensor)."""
+        if self.cache.get_seq_length() > 0:
+            self.cache.batch_select_indices(index)
+        device_index = index.to(self.pending.device)
+        self.pending = self.pending[device_index]
+        if self.root_hidden is not None:
+            self.root_hidden = self.root_hidden[device_index]
+
+    def crop_tree(self) -> None:
+        """Roll the tree rows of a proposal off the cache (accepted nodes come back in the next catch-up)."""
+        tree_rows = self.cache.get_seq_length() - self.cached
+        if tree_rows:
+            self.cache.crop(-tree_rows)
+
+    def unstack_catch_up(self, rows: list[EagleRows], new: list[int]) -> None:
+        """A stacked state (``stack_rows``) after its catch-up: each one-row state ``rows[i]`` takes its ``new[i]``
+        newest cache columns and its root output (a row with nothing new keeps its own)."""
+        keys, values = self.cache.layers[0].keys, self.cache.layers[0].values  # [R, Hkv, cached, D]
+        for i, (row, count) in enumerate(zip(rows, new)):
+            if count == 0:
+                continue
+            row.cache.update(keys[i:i + 1, :, self.cached - count:], values[i:i + 1, :, self.cached - count:], 0)
+            row.cached, row.pending = row.cached + count, row.pending[:, :0]
+            row.root_hidden = self.root_hidden[i:i + 1]
+
+
+def stack_rows(rows: list[EagleRows], tokens: list[list[int]]) -> tuple[EagleRows, object, list[int]]:
+    """One-row states of sequences of different lengths as one state of ``R`` rows over a buffer with holes: row i
+    holds its ``c_i`` cached columns right-aligned at ``S = max c``, then its ``m_i`` pending columns
+    right-aligned at ``S + P`` (``P = max m``), then its newest token (the root) in the last column::
+
+        columns   0 ..  S-1  |  S .. S+P-1   |  S+P
+        row i     holes, c_i |  holes, m_i   |  root
+
+    Holes are masked out and skipped by positions, as the loop's holes are (``buffer.py``), so each row attends to
+    and is positioned by its own columns only. Returns (the state, the buffer, ``[m_i]``)."""
+    from hf_kvspec.speculative.buffer import TokenBuffer
+
+    cached = max(row.cached for row in rows)
+    new = [len(seq) - 1 - row.cached for row, seq in zip(rows, tokens)]
+    pending_width = max(new)
+    if any(count != row.pending.shape[1] for count, row in zip(new, rows)):
+        raise ValueError("each EAGLE row state must hold the features of its sequence's uncached columns.")
+    width = cached + pending_width + 1
+    ids = torch.zeros(len(rows), width, dtype=torch.long)  # holes hold token 0, masked
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    first = rows[0].pending
+    pending = first.new_zeros(len(rows), pending_width, first.shape[-1])
+    for i, (row, seq) in enumerate(zip(rows, tokens)):
+        seq = torch.tensor(seq, dtype=torch.long)
+        c, m = row.cached, new[i]
+        for start, part in ((cached - c, seq[:c]), (cached + pending_width - m, seq[c:c + m]), (width - 1, seq[-1:])):
+            ids[i, start:start + part.shape[0]], mask[i, start:start + part.shape[0]] = part, 1
+        pending[i, pending_width - m:] = row.pending[0]
+    batch = EagleRows(DynamicCache(), cached, pending, _stacked_roots(rows))
+    if cached:
+        batch.cache.update(*_left_padded(rows, cached), 0)
+    device = first.device
+    return batch, TokenBuffer(ids.to(device), mask.to(device), 0), new
+
+
+def _left_padded(rows: list[EagleRows], width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's cached keys and values ``[1, Hkv, c_i, D]`` right-aligned in ``[R, Hkv, width, D]`` (zeros before:
+    the holes)."""
+    sample = next(row.cache.layers[0] for row in rows if row.cached)
+    shape = (len(rows), sample.keys.shape[1], width, sample.keys.shape[3])
+    keys, values = sample.keys.new_zeros(shape), sample.values.new_zeros(shape)
+    for i, row in enumerate(rows):
+        if row.cached:
+            keys[i, :, width - row.cached:] = row.cache.layers[0].keys[0]
+            values[i, :, width - row.cached:] = row.cache.layers[0].values[0]
+    return keys, values
+
+
+def _stacked_roots(rows: list[EagleRows]) -> torch.Tensor | None:
+    """``[R, H]`` every row's last root output (zeros where a row has none: it has new columns to catch up)."""
+    known = [row.root_hidden for row in rows if row.root_hidden is not None]
+    if not known:
+        return None
+    return torch.cat([row.root_hidden if row.root_hidden is not None else known[0].new_zeros(known[0].shape)
+                      for row in rows])
+
+
 class _TreeRows:
     """The ``expand`` callback of ``tree.py``: feeds one level of nodes into the drafter cache (after the committed
     columns), each seeing its ancestors among the earlier tree rows; remembers outputs and visibility."""
 
-    def __init__(self, assistant: EagleAssistant, root_hidden: torch.Tensor, buffer):
-        self.assistant = assistant
-        self.prefix = buffer.mask[:, : assistant.cached].bool()  # [B, S] real committed columns
+    def __init__(self, assistant: EagleAssistant, rows: EagleRows, root_hidden: torch.Tensor, buffer):
+        self.assistant, self.cache = assistant, rows.cache
+        self.prefix = buffer.mask[:, : rows.cached].bool()  # [B, S] real committed columns
         self.root_position = buffer.positions[:, -1:]  # [B, 1]
         self.hidden = root_hidden[:, None]  # [B, 1, H] outputs of the previous call's rows (first: the root's)
         self.visible = root_hidden.new_zeros(root_hidden.shape[0], 1, 0, dtype=torch.bool)  # [B, m, F] tree rows
@@ -201,7 +342,7 @@ class _TreeRows:
         head = self.assistant.head
         positions = (self.root_position + self.calls).expand(batch, count)  # depth d sits at root + d - 1
         out = head(self.assistant.target_ids(tokens), draft_hidden=parent_hidden, position_ids=positions,
-                   attention_mask=additive_mask(allowed, head.dtype), cache=self.assistant.cache, return_logits=False)
+                   attention_mask=additive_mask(allowed, head.dtype), cache=self.cache, return_logits=False)
         self.hidden = out.hidden_states
         self.calls += 1
         return self.assistant._logprobs(self.hidden)

@@ -101,18 +101,31 @@ class MedusaAssistant(Assistant):
                 ranked.append(self.vocab.to_target(self.vocab.logits(head_hidden, weight)[:, 0].topk(width).indices))
         return torch.stack(ranked, dim=1)
 
-    def _round_tree(self, ctx: DraftContext) -> StaticTree:
-        """This round's tree: the auto size's (or ``num_draft_tokens``) first nodes, at most ``ctx.max_depth``
-        deep (the loop's depth cap near ``max_new_tokens``), cached per (size, depth)."""
-        key = (ctx.num_draft_tokens, ctx.max_depth)
+    def _round_tree(self, count: int, max_depth: int | None) -> StaticTree:
+        """A round's tree: the first ``count`` nodes (the auto size's, or ``num_draft_tokens``), at most
+        ``max_depth`` deep (the loop's depth cap near ``max_new_tokens``), cached per (size, depth)."""
+        key = (count, max_depth)
         if key not in self._fitted:
             self._fitted[key] = fit_tree(self.tree, *key)
         return self._fitted[key]
 
     def propose(self, ctx: DraftContext) -> DraftProposal:
-        tree = self._round_tree(ctx)
+        tree = self._round_tree(ctx.num_draft_tokens, ctx.max_depth)
         candidates = tree.candidates(self.ranked(self.feature, tree.max_depth, tree.max_rank))
         return DraftProposal(candidates.tokens, None, tree.parents.to(candidates.tokens.device), draft_forwards=1)
+
+    @torch.no_grad()
+    def propose_each(self, features: torch.Tensor, counts: list[int], max_depths: list[int]) -> list[DraftProposal]:
+        """One proposal ``[1, N_i]`` per feature row (``features`` ``[R, H]``: each the target's hidden state that
+        produced a sequence's newest token), of at most ``counts[i]`` nodes and ``max_depths[i]`` levels: the
+        heads run once for all rows (the deepest and widest tree's ranks), each row takes its own tree's."""
+        trees = [self._round_tree(count, depth) for count, depth in zip(counts, max_depths)]
+        ranked = self.ranked(features, max(t.max_depth for t in trees), max(t.max_rank for t in trees))
+        proposals = []
+        for i, tree in enumerate(trees):
+            tokens = tree.candidates(ranked[i:i + 1]).tokens  # [1, N]: ranks past the tree's are not read
+            proposals.append(DraftProposal(tokens, None, tree.parents.to(tokens.device), draft_forwards=1))
+        return proposals
 
     def observe(self, outcome: RoundOutcome) -> None:
         super().observe(outcome)

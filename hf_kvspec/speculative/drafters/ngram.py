@@ -58,12 +58,16 @@ class NgramAssistant(Assistant):
     def select_rows(self, index: torch.Tensor) -> None:
         self.first_real = [self.first_real[i] for i in index.tolist()]
 
+    def lookup(self, sequence: torch.Tensor, count: int) -> torch.Tensor:
+        """Up to ``count`` drafts ``[n]`` for one sequence ``[L]`` of real tokens (its newest last), with this
+        assistant's n-gram sizes (``lookup_continuation``)."""
+        return lookup_continuation(sequence, self.max_ngram, self.min_ngram, count)
+
     def propose(self, ctx: DraftContext) -> DraftProposal:
         ids, lengths = ctx.history.ids, ctx.history.lengths.tolist()
         rows = []
         for row, (first, length) in enumerate(zip(self.first_real, lengths)):
-            found = (lookup_continuation(ids[row, first:length], self.max_ngram, self.min_ngram,
-                                         ctx.num_draft_tokens) if bool(ctx.alive[row]) else ids[row, :0])
+            found = self.lookup(ids[row, first:length], ctx.num_draft_tokens) if bool(ctx.alive[row]) else ids[row, :0]
             rows.append(found)
         width = max(r.shape[0] for r in rows)
         tokens = ids.new_zeros(len(rows), width)
