@@ -43,6 +43,7 @@ granted a short probe (``PROBE_TOKENS``) if the probe costs at most ``PROBE_LOSS
 
 from __future__ import annotations
 
+import bisect
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -78,6 +79,7 @@ class ForwardCost:
         self.decay, self.proportional = decay, proportional
         self.buckets: dict[int, list[float]] = {}  # bucket -> decayed [weight, sum T, sum seconds]
         self._points: list[tuple[float, float]] = []
+        self._tokens: list[float] = []  # the points' T, for bisection
 
     def record(self, tokens: int, seconds: float) -> None:
         entry = self.buckets.setdefault(_bucket(tokens), [0.0, 0.0, 0.0])
@@ -85,6 +87,7 @@ class ForwardCost:
         entry[1] = self.decay * entry[1] + tokens
         entry[2] = self.decay * entry[2] + seconds
         self._points = [(w_t / w, w_s / w) for _, (w, w_t, w_s) in sorted(self.buckets.items())]
+        self._tokens = [t for t, _ in self._points]
 
     def points(self) -> list[tuple[float, float]]:
         """(mean T, mean seconds) of each measured bucket, in order of T."""
@@ -94,9 +97,10 @@ class ForwardCost:
         points = self._points
         if not points:
             return prior(tokens)  # in units of a one-token forward
-        for (t0, s0), (t1, s1) in itertools.pairwise(points):
-            if t0 <= tokens <= t1:
-                return s0 + (s1 - s0) * (tokens - t0) / max(t1 - t0, 1e-9)
+        right = bisect.bisect_left(self._tokens, tokens)  # the first measured point at or past T
+        if 0 < right < len(points) or (right == 0 and points[0][0] == tokens):
+            (t0, s0), (t1, s1) = points[max(right - 1, 0)], points[right]
+            return s0 + (s1 - s0) * (tokens - t0) / max(t1 - t0, 1e-9)
         t_near, s_near = points[0] if tokens < points[0][0] else points[-1]
         if self.proportional and tokens > t_near:
             return s_near * tokens / t_near
@@ -218,7 +222,7 @@ class DraftBudget:
         if timed.sxx / timed.n - mean_k**2 <= 0.25:  # one length seen so far: proportional (a forward per draft)
             return mean_s * drafts / max(mean_k, 1e-9)
         intercept, slope = timed.line(0.0)
-        return intercept + slope * drafts
+        return max(intercept + slope * drafts, 0.0)  # a noisy line may cross 0; a draft never costs less
 
     def draft_timed(self) -> bool:
         """Whether a draft call (or, shared, a draft depth) has been timed yet."""
@@ -254,15 +258,28 @@ class DraftBudget:
                         for c in candidates for k in range(1, c.max_drafts + 1)), reverse=True)
         lengths = dict.fromkeys((c.request_id for c in candidates), 0)
         tables = self._tables(base_tokens, candidates)
-        best, chosen = -1.0, []
-        for allowed in self._subsets(gains, candidates):
-            m, goodput = self._best_prefix(allowed, tables, sampling_rows, lengths)
-            if goodput > best:
-                best, chosen = goodput, allowed[:m]
+        best, chosen = sampling_rows / max(tables[0][0], 1e-9), []  # the plain round
+        if not self._nobody_pays(gains, tables[0], sampling_rows, best):
+            for allowed in self._subsets(gains, candidates):
+                m, goodput = self._best_prefix(allowed, tables, sampling_rows, lengths)
+                if goodput > best:
+                    best, chosen = goodput, allowed[:m]
         for _, request_id, _ in chosen:
             lengths[request_id] += 1
         self._probe(lengths, candidates, base_tokens, sampling_rows, best)
         return lengths
+
+    def _nobody_pays(self, gains, forward_s: list[float], sampling_rows: int, plain: float) -> bool:
+        """True when no allocation can beat the plain round's goodput ``plain``: even the m largest gains of all,
+        at the cost of the forward of m more tokens and one verify row's work (a lower bound of any m drafts'
+        cost: draft costs are >= 0), never pay. One walk instead of the search's, for the rounds (most, where
+        drafts are rarely accepted) in which the search would choose the plain round anyway."""
+        tokens, row_s = float(sampling_rows), self.verify_row_seconds()
+        for m, (gain, _, _) in enumerate(gains, start=1):
+            tokens += gain
+            if tokens / max(forward_s[m] + row_s, 1e-9) > plain:
+                return False
+        return True
 
     def _tables(self, base_tokens: int, candidates: Sequence[Candidate]) -> tuple[list, list, list, set]:
         """This round's costs, looked up once: ``f(T0 + m)`` for m drafts, ``d(k)`` per request's k, (shared)
@@ -314,6 +331,8 @@ class DraftBudget:
     def _probe(self, lengths: dict[int, int], candidates: Sequence[Candidate], base_tokens: int,
                sampling_rows: int, best: float) -> None:
         """Grant a short probe to one request idle for ``PROBE_EVERY`` rounds, when it costs little."""
+        known = {c.request_id: c.gains for c in candidates}
+        planned = None  # (tokens, drafts, paid lengths, sunk verify rows) of the plan, computed once if needed
         for candidate in candidates:
             request_id = candidate.request_id
             if lengths[request_id] > 0:
@@ -326,14 +345,14 @@ class DraftBudget:
             probe = min(PROBE_TOKENS, candidate.max_drafts)
             if idle < PROBE_EVERY or probe <= 0 or candidate.gains is not None:  # known gains need no probe
                 continue
-            drafted = sum(lengths.values()) + probe
-            known = {c.request_id: c.gains for c in candidates}
-            tokens = sampling_rows + sum(self._expected(r, k, known.get(r)) for r, k in lengths.items()) + \
-                self._expected(request_id, probe)
-            paid = [k for r, k in lengths.items() if known.get(r) is None]
-            seconds = self.forward_cost(base_tokens + drafted) + self.round_draft_seconds([*paid, probe]) + \
-                sum(k > 0 and known.get(r) is not None for r, k in lengths.items()) * self.verify_row_seconds()
-            if tokens / max(seconds, 1e-9) >= (1 - PROBE_LOSS) * best:
+            if planned is None:
+                planned = (sampling_rows + sum(self._expected(r, k, known.get(r)) for r, k in lengths.items()),
+                           sum(lengths.values()), [k for r, k in lengths.items() if known.get(r) is None],
+                           sum(k > 0 and known.get(r) is not None for r, k in lengths.items()))
+            tokens, drafted, paid, sunk_rows = planned
+            seconds = self.forward_cost(base_tokens + drafted + probe) + self.round_draft_seconds([*paid, probe]) + \
+                sunk_rows * self.verify_row_seconds()
+            if (tokens + self._expected(request_id, probe)) / max(seconds, 1e-9) >= (1 - PROBE_LOSS) * best:
                 lengths[request_id], self.idle[request_id] = probe, 0
                 return
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from transformers import DynamicCache
 
 from hf_kvspec import _compat
-from hf_kvspec.speculative.drafters.base import Assistant
+from hf_kvspec.speculative.drafters.base import Assistant, releases_rows
 from hf_kvspec.speculative.rollback import check_cache, prepare_for_rollback
 from hf_kvspec.speculative.rounds import check_tree_attention
 
@@ -109,8 +109,8 @@ def has_sliding_layers(config) -> bool:
 def rows_may_leave(cache, assistant: Assistant) -> bool:
     """Finished rows may leave the batch (``rows.py``) only from a plain ``DynamicCache`` that ``generate`` made for
     this call (a caller's cache keeps its rows; ``generate`` keeps static caches on the model for later calls;
-    offloading layers prefetch across calls' layers) and with an assistant that re-indexes its own state."""
-    if not assistant.can_drop_rows:
+    offloading layers prefetch across calls' layers) and with an assistant that releases rows (``releases_rows``)."""
+    if not releases_rows(assistant):
         return False
     if cache is None:  # the prefill creates a DynamicCache
         return True

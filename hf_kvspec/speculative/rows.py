@@ -90,13 +90,12 @@ class ActiveRows:
         if not self.may_leave or bool(self.alive.all()) or not self.any_alive:
             return 0
         local = self.alive.nonzero().reshape(-1)  # [A'] positions among the old active rows
-        left = self.index.shape[0] - local.shape[0]
+        finished = self.index[~self.alive].tolist()  # call-row ids of the rows that leave
         self.index, self.alive, self._view = self.index[local], self.alive[local], None
         buffer.select_rows(local)
-        local = local.cpu()  # a CPU index selects on any device (offloaded or split caches)
-        cache.batch_select_indices(local)
-        drafter.select_rows(local)
-        return left
+        cache.batch_select_indices(local.cpu())  # a CPU index selects on any device (offloaded or split caches)
+        drafter.release(finished)
+        return len(finished)
 
     # ------------------------------------------------------------------------------------------ conversions
     def call_rows(self) -> list[int]:

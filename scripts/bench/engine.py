@@ -238,7 +238,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--systems", default="hf,static,engine", help="comma-separated: hf, static, engine")
     parser.add_argument("--assistant", default="",
                         help="also run the engine with these assistants, comma-separated (ngram, suffix, eagle, "
-                             "medusa, self-int8, self-int4, draft:<dir>, suffix+eagle)")
+                             "medusa, self-int8, self-int4, draft:<dir>, suffix+eagle); with --kinds, <spec>@k0 "
+                             "holds every request at K = 0 (what an assistant costs when nobody drafts)")
     parser.add_argument("--kinds", default=None,
                         help="speculation under load (bench/engine_load.py): prompt kinds, from chat,code,summarize")
     parser.add_argument("--workload", dest="kinds",
@@ -248,6 +249,9 @@ def add_arguments(parser) -> None:
                         help="with --kinds: closed-loop concurrency values (and 'all')")
     parser.add_argument("--profile-rounds", default=None,
                         help="where an engine round goes at these concurrencies (bench/engine_profile.py), e.g. 1,4,16")
+    parser.add_argument("--paired", action="store_true",
+                        help="with --kinds: run the plain engine right before every other system's run; speedup = "
+                             "the median of the pairs' ratios (robust to a machine whose speed drifts)")
     parser.add_argument("--repeats", type=int, default=2,
                         help="with --kinds: runs per system and cell, alternating order; the fastest counts")
     parser.add_argument("--static-batch-size", type=int, default=16)

@@ -24,6 +24,7 @@ over the plain engine against concurrency, one panel per prompt kind).
 from __future__ import annotations
 
 import itertools
+import statistics
 
 from bench.engine import Trace, arrival_times, hf_config, percentile, run_engine, run_hf, summarize
 from bench.harness import Report, load_average, save_plot
@@ -102,14 +103,19 @@ def engine_assistant(spec: str | None):
 
 
 def _engine_run(model, tokenizer, spec, max_running: int, args, prompts, arrivals):
+    """The engine with ``spec``'s assistant (none for None). ``<spec>@k0``: the assistant with every request held
+    at K = 0 (``num_draft_tokens=0``): what having an assistant costs when nobody drafts (features captured, the
+    plan and the drafter's bookkeeping run every round)."""
     from hf_kvspec import Engine
 
     made = []
-    assistant = engine_assistant(spec)
+    spec, _, held = (spec or "").partition("@")
+    assistant = engine_assistant(spec or None)
+    sizes = {"num_draft_tokens": 0} if held == "k0" else {}
 
     def make():
         made.append(Engine(model, tokenizer, kv_budget=args.kv_budget, max_tokens_per_round=args.max_tokens_per_round,
-                           max_running=max_running, assistant=assistant))
+                           max_running=max_running, assistant=assistant, **sizes))
         return made[-1]
 
     traces, _ = run_engine(make, prompts, arrivals, args.max_new_tokens)
@@ -145,23 +151,37 @@ def systems(model, tokenizer, args, eos_ids) -> dict:
     return runs
 
 
-def run_cell(runs: dict, kind: str, label: str, max_running: int, prompts, arrivals, repeats: int = 1) -> list[dict]:
+def run_cell(runs: dict, kind: str, label: str, max_running: int, prompts, arrivals, repeats: int = 1,
+             paired: bool = False) -> list[dict]:
     """Every system on the cell, ``repeats`` times in alternating order; a system's fastest run counts (timer and
-    scheduler noise only ever slow a run down)."""
-    rows, outputs = {}, {}
+    scheduler noise only ever slow a run down). ``paired``: each run of another system right after a run of the
+    plain engine, and its speedup the median over the repeats of the pair's ratio (a machine whose speed drifts
+    over minutes shifts both runs of a pair alike)."""
+    rows, outputs, ratios = {}, {}, {}
+
+    def measure(name: str) -> float:
+        before = load_average()
+        traces, extra = runs[name](max_running, prompts, arrivals)
+        row = {"kind": kind, "load": label, "system": name, **figures(traces), **extra,
+               "load_before": round(before, 2), "load_after": round(load_average(), 2)}
+        if name not in rows or (row["tok_per_s"] or 0) > (rows[name]["tok_per_s"] or 0):
+            rows[name], outputs[name] = row, [t.output_ids for t in traces]
+        return row["tok_per_s"] or 0.0
+
     for repeat in range(repeats):
-        for name, run in (runs.items() if repeat % 2 == 0 else reversed(runs.items())):
+        for name in (runs if repeat % 2 == 0 else list(reversed(runs))):
             if name == "hf" and repeat:  # the slow baseline once: its ratio to ours is far from any threshold
                 continue
-            before = load_average()
-            traces, extra = run(max_running, prompts, arrivals)
-            row = {"kind": kind, "load": label, "system": name, **figures(traces), **extra,
-                   "load_before": round(before, 2), "load_after": round(load_average(), 2)}
-            if name not in rows or (row["tok_per_s"] or 0) > (rows[name]["tok_per_s"] or 0):
-                rows[name], outputs[name] = row, [t.output_ids for t in traces]
+            if paired and name != "engine":
+                base = measure("engine")
+                ratios.setdefault(name, []).append(measure(name) / base if base else 0.0)
+            elif not paired:
+                measure(name)
     base, hf = rows["engine"]["tok_per_s"], rows.get("hf", {}).get("tok_per_s")
     for name, row in rows.items():
         row["speedup"] = round(row["tok_per_s"] / base, 3) if base and row["tok_per_s"] else None
+        if name in ratios:
+            row["speedup"] = round(statistics.median(ratios[name]), 3)
         row["vs_hf"] = round(row["tok_per_s"] / hf, 3) if hf and row["tok_per_s"] else None
         row["same_as_engine"] = sum(a == b for a, b in zip(outputs[name], outputs["engine"]))
     return list(rows.values())
@@ -185,11 +205,14 @@ def run(args) -> None:
         for label, max_running, rate in parse_loads(args.concurrency, args.rates):
             arrivals = arrival_times(len(prompts), rate, args.seed)
             running = max_running or (len(prompts) if rate is None else args.max_running)
-            for row in run_cell(runs, kind, label, running, prompts, arrivals, args.repeats):
+            for row in run_cell(runs, kind, label, running, prompts, arrivals, args.repeats, args.paired):
                 report.add(**row)
     report.notes += [
         f"{args.num_requests} requests per cell, greedy, max_new_tokens={args.max_new_tokens}, 1 torch thread; "
-        f"each system's fastest of {args.repeats} runs in alternating order (transformers' once); "
+        (f"each system run {args.repeats} times, each run right after a run of the plain engine; speedup = the "
+         "median of those pairs' ratios (tok_per_s: each system's fastest run; transformers' once); "
+         if args.paired else
+         f"each system's fastest of {args.repeats} runs in alternating order (transformers' once); ") +
         "C=n: all queued at t=0, at most n running (a closed loop); r/s: Poisson arrivals, "
         f"max_running={args.max_running}.",
         "speedup: tok/s over the plain engine in the same cell; k_mean: drafts per decode row (the engine's goodput "

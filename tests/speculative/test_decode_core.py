@@ -167,11 +167,12 @@ def test_drafter_is_a_deprecated_name_of_assistant():
 class _Recorder(Assistant):
     """Proposes nothing; records the row count of every context (active rows only)."""
 
-    can_drop_rows = True
-
     def __init__(self):
         super().__init__(num_draft_tokens=1)
         self.rows_seen = []
+
+    def release(self, rows):  # no per-row state: finished rows may leave
+        self.staying(rows)
 
     def propose(self, ctx):
         self.rows_seen.append((ctx.buffer.tokens.shape[0], ctx.history.ids.shape[0], ctx.alive.shape[0]))

@@ -69,6 +69,29 @@ def test_the_plan_is_as_good_as_every_combination_of_lengths(curve, alphas, draf
             assert _goodput(budget, lengths, base, sampling) == pytest.approx(best, rel=1e-9)
 
 
+@pytest.mark.parametrize("shared", [False, True])
+@pytest.mark.parametrize("seed", range(12))
+def test_the_quick_no_draft_check_never_skips_a_plan_that_pays(seed, shared):
+    """``_nobody_pays`` ends the plan early only where the brute-force best is the plain round: random curves,
+    acceptances (mostly low, where the check fires) and draft costs, with the search itself as the reference."""
+    import random
+
+    rng = random.Random(seed)
+    slope, alphas = rng.uniform(0.0003, 0.01), [rng.uniform(0.0, 0.5) for _ in range(3)]
+    fixed, per = rng.uniform(0.0, 0.01), rng.uniform(0.0, 0.004)
+    budget = _budget(lambda t: 0.03 + slope * t, alphas, lambda k: fixed + per * k, shared,
+                     verify_row=rng.uniform(0.0, 0.004))
+    candidates = [Candidate(i, 4) for i in range(3)]
+    for base, sampling in ((3, 3), (8, 3)):
+        gains = sorted(((c.gain(budget.alpha(c.request_id), k), c.request_id, k)
+                        for c in candidates for k in range(1, 5)), reverse=True)
+        forward_s = budget._tables(base, candidates)[0]
+        plain = sampling / forward_s[0]
+        if budget._nobody_pays(gains, forward_s, sampling, plain):
+            assert _brute_force(budget, candidates, base, sampling) == pytest.approx(plain, rel=1e-12)
+            assert sum(budget.plan(base, sampling, candidates).values()) <= 2  # at most a probe
+
+
 @pytest.mark.parametrize(("curve", "draft"), [(lambda t: 0.03 + 0.0015 * t, None),
                                               (lambda t: 0.03 + 0.0004 * t * t, None),
                                               (lambda t: 0.03 + 0.0015 * t, lambda k: 0.004 + 0.003 * k)])

@@ -90,8 +90,8 @@ def test_medusa_follows_the_feature_of_the_accepted_path_and_selects_rows(target
                                    round_hidden))
     expected = heads(round_hidden[torch.arange(3), accepted][:, None]).logits[:, :, 0].argmax(-1)  # [K, B]
     assert assistant.propose(_ctx(buffer, 3)).tokens.tolist() == expected.T.tolist()
-    assistant.select_rows(torch.tensor([2, 0]))
-    assert assistant.propose(_ctx(buffer, 3)).tokens.tolist() == expected.T[[2, 0]].tolist()
+    assistant.release([1])
+    assert assistant.propose(_ctx(buffer, 3)).tokens.tolist() == expected.T[[0, 2]].tolist()
 
 
 def test_medusa_refuses_a_tree_deeper_than_its_heads(target):
@@ -205,7 +205,7 @@ def test_eagle_cache_after_a_round_equals_a_fresh_drafters(target):
     assert torch.equal(proposal.parents, fresh_proposal.parents)
 
 
-def test_eagle_select_rows_keeps_the_remaining_rows_proposals(target):
+def test_eagle_release_keeps_the_remaining_rows_proposals(target):
     head = _eagle(target)
     buffer, features = _prefill(target, PROMPTS)
     everyone = EagleAssistant(head, depth=3, top_k=2, total_tokens=5)
@@ -215,7 +215,7 @@ def test_eagle_select_rows_keeps_the_remaining_rows_proposals(target):
     fewer.begin(target, buffer, features)
     fewer.propose(_ctx(buffer, 99))
     index = torch.tensor([0, 2])
-    fewer.select_rows(index)
+    fewer.release([1])
     buffer.select_rows(index)
     again = fewer.propose(_ctx(buffer, 99))
     assert torch.equal(again.tokens, full.tokens[index]) and torch.equal(again.parents, full.parents[index])

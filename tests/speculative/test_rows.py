@@ -121,7 +121,7 @@ def test_row_indexed_processors_still_see_the_callers_rows(models):
 
 
 def test_ngram_rows_left_behind_look_up_from_their_own_first_token():
-    """After ``select_rows`` a remaining row searches its history from its own first real token (its left padding
+    """After ``release`` a remaining row searches its history from its own first real token (its left padding
     in the full batch differs from its index among the survivors)."""
     from hf_kvspec.speculative.buffer import TokenBuffer
     from hf_kvspec.speculative.drafters.base import DraftContext
@@ -132,7 +132,7 @@ def test_ngram_rows_left_behind_look_up_from_their_own_first_token():
     assistant = hf_kvspec.NgramAssistant(max_ngram=2, num_draft_tokens=3)
     assistant.begin(None, TokenBuffer(ids, mask, pad_token_id=0))
     keep = torch.tensor([1, 2])
-    assistant.select_rows(keep)
+    assistant.release([0, 3])
     ctx = DraftContext(TokenBuffer(ids[keep], mask[keep], 0), History(ids[keep], 32, 0), 3, False,
                        torch.ones(2, dtype=torch.bool), PositionwiseProcessor(None))
     # "5 6" was followed by 7 8 5; "4 9" by 3 4 9
@@ -173,16 +173,27 @@ def test_caches_that_cannot_drop_rows_keep_them(models):
     assert out.acceptance.rows_dropped == 0
 
 
-def test_drafters_without_row_selection_keep_every_row(models):
-    """A drafter that does not declare ``can_drop_rows`` may keep per-row state the loop cannot re-index."""
+def test_drafters_without_release_keep_every_row(models):
+    """A drafter that does not implement ``release`` may keep per-row state the loop cannot re-index."""
+    from hf_kvspec.speculative.drafters.base import Assistant
+
     target, _ = models
     ids, mask = batch(4)
     eos, expected = _ragged_eos(target, ids, mask)
 
-    class RowStateNgram(hf_kvspec.NgramAssistant):
-        can_drop_rows = False
+    class RowStateNgram(Assistant):  # n-gram drafts through an inner assistant, no release of its own
+        def __init__(self):
+            super().__init__(num_draft_tokens=4)
+            self.inner = hf_kvspec.NgramAssistant(max_ngram=2, num_draft_tokens=4)
 
-    assistant = RowStateNgram(max_ngram=2, num_draft_tokens=4)
+        def begin(self, target, buffer, target_hidden=None):
+            super().begin(target, buffer, target_hidden)
+            self.inner.begin(target, buffer, target_hidden)
+
+        def propose(self, ctx):
+            return self.inner.propose(ctx)
+
+    assistant = RowStateNgram()
     out, stats, sizes = _speculative_batch_sizes(target, ids, mask, eos, assistant)
     assert torch.equal(out, expected)
     assert stats.rows_dropped == 0 and set(sizes) == {4}
@@ -203,3 +214,13 @@ def test_scores_of_rounds_that_drafted_nothing(models, bs):
     assert len(out.scores) == len(expected.scores) == 8
     for ours, theirs in zip(out.scores + out.logits, expected.scores + expected.logits):
         torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
+
+
+def test_release_names_rows_by_id_across_releases():
+    """``staying`` maps row ids to the current positions: after row 1 left, row 3 is at position 2."""
+    from hf_kvspec.speculative.buffer import TokenBuffer
+
+    assistant = hf_kvspec.NgramAssistant()
+    assistant.begin(None, TokenBuffer(torch.ones(4, 3, dtype=torch.long), None, 0))
+    assert assistant.staying([1]).tolist() == [0, 2, 3] and assistant.row_ids == [0, 2, 3]
+    assert assistant.staying([3, 0]).tolist() == [1] and assistant.row_ids == [2]

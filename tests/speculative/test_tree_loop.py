@@ -53,7 +53,6 @@ class TreeDrafter(Assistant):
     ``"random"``: every node a random token."""
 
     proposes_trees = True
-    can_drop_rows = True
 
     def __init__(self, kind: str, reference: torch.Tensor, per_row: bool, vocab: int, on_round=None):
         super().__init__(num_draft_tokens=len(STATIC[0]))
@@ -61,6 +60,9 @@ class TreeDrafter(Assistant):
         self.on_round = on_round
         self.gen = torch.Generator().manual_seed(0)
         self.buffer = None
+
+    def release(self, rows):  # no per-row state: finished rows may leave
+        self.staying(rows)
 
     def propose(self, ctx) -> DraftProposal:
         self.buffer = ctx.buffer

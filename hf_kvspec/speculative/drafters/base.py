@@ -14,8 +14,10 @@ One round, seen from a drafter:
     2. The loop verifies and calls ``observe(outcome)``: how many columns of ``ctx.tokens`` survive (the
        drafter crops its own state to that), per-row accepted counts, and, when the drafter set
        ``wants_hidden_states``, the target's last hidden states of the round (for feature-level drafters).
-    3. When rows of the batch have finished and the drafter set ``can_drop_rows``, ``select_rows(index)`` says
-       which rows remain; later contexts and outcomes hold only those rows (see ``rows.py``).
+    3. When rows of the batch have finished and the drafter implements ``release``, ``release(rows)`` names them by
+       row id (a row's index in the caller's batch, fixed for the call); the drafter drops their state, and later
+       contexts and outcomes hold only the other rows, in the same order (see ``rows.py``). ``staying(rows)`` gives
+       the positions of the rows that stay, for re-indexing batched state.
 
 Self-speculation (the target drafts for itself: early exit, layer skipping, a sparse KV view): a drafter that sets
 ``shares_target_cache`` gets the target's own cache as ``ctx.target_cache`` (the loop creates a ``DynamicCache``
@@ -149,9 +151,6 @@ class Assistant(abc.ABC):
     wants_hidden_states: bool = False
     #: target layers whose outputs make the features (``-1`` = the last decoder layer), when ``wants_hidden_states``
     feature_layers: tuple[int, ...] = (-1,)
-    #: ``select_rows`` re-indexes every per-row state, so finished rows may leave the batch (``rows.py``);
-    #: a drafter that keeps per-row state and does not implement it must leave this False
-    can_drop_rows: bool = False
     #: ``propose`` may return trees: the loop checks at the start of the call that the target's attention takes a
     #: custom 4D mask and that the cache keeps a tree's path (a tree proposed without this flag is checked when it
     #: arrives)
@@ -177,6 +176,7 @@ class Assistant(abc.ABC):
         self.num_draft_tokens: int | str = num_draft_tokens
         self.max_draft_tokens: int = max_draft_tokens  # most nodes a proposal holds (sizes the caches' checks)
         self.auto = AutoDraftLength(max_draft_tokens=max_draft_tokens) if num_draft_tokens == "auto" else None
+        self.row_ids: list[int] = []  # the call's rows, by id, in batch order (``begin``, ``staying``)
 
     def check_target(self, target, cache) -> None:  # noqa: B027 - optional hook, most assistants fit any target
         """Called before the call's first forward with the target and the caller's cache (None: the loop makes a
@@ -189,6 +189,7 @@ class Assistant(abc.ABC):
         over). The target's cache holds the prompt; the buffer holds the prompt and the first token (its last
         column). ``target_hidden`` [B, P', F] are the prefill's features when ``wants_hidden_states`` (``P'`` prompt
         columns the prefill fed: fewer than the prompt when a caller's cache held the rest)."""
+        self.row_ids = list(range(buffer.tokens.shape[0]))
         if self.auto is not None:
             self.auto.start_call(buffer.tokens.shape[0])
 
@@ -205,10 +206,19 @@ class Assistant(abc.ABC):
         if self.auto is not None:
             self.auto.update(outcome)
 
-    def select_rows(self, index: torch.Tensor) -> None:  # noqa: B027 - optional hook, stateless drafters keep the no-op
-        """Rows ``index`` [A] (a CPU tensor) stay in the batch, the others finished and left it: re-index any per-row
-        state (a draft cache: ``cache.batch_select_indices(index)``). Later contexts and outcomes have ``A`` rows.
-        Called only when ``can_drop_rows`` is True."""
+    def release(self, rows: list[int]) -> None:  # noqa: B027 - a drafter declares it releases rows by overriding
+        """Rows ``rows`` (row ids) finished and leave the batch: drop their state (re-index batched state with
+        ``staying(rows)``). Later contexts and outcomes hold the other rows, in the same order. The loop lets
+        finished rows leave only for a drafter that overrides this (``releases_rows``); for any other, finished
+        rows stay in the batch to the end of the call (fed holes), so per-row state it keeps stays aligned."""
+
+    def staying(self, rows: list[int]) -> torch.Tensor:
+        """For ``release``: the positions ``[A]`` (a CPU tensor) of the rows that stay among the current ones, in
+        order; the released ids are forgotten."""
+        gone = set(rows)
+        keep = [i for i, row in enumerate(self.row_ids) if row not in gone]
+        self.row_ids = [self.row_ids[i] for i in keep]
+        return torch.tensor(keep, dtype=torch.long)
 
     def verify_forward(self, model, inputs: dict, cache, feature_layers: tuple[int, ...] | None):
         """The round's verify forward, when ``runs_verify_forward`` (module docstring): ``(logits [B, T, V],
@@ -244,6 +254,11 @@ class PlainDecoding(Assistant):
 
     def propose(self, ctx: DraftContext) -> DraftProposal:
         raise AssertionError("PlainDecoding drafts nothing: the loop never asks it for a proposal (N = 0)")
+
+
+def releases_rows(assistant: Assistant) -> bool:
+    """Whether ``assistant`` declares that finished rows may leave its batch (it overrides ``release``)."""
+    return type(assistant).release is not Assistant.release
 
 
 def __getattr__(name: str):

@@ -37,7 +37,6 @@ class DraftModelAssistant(Assistant):
     as point masses (still exact; usually lower acceptance than rejection sampling against sampled drafts).
     """
 
-    can_drop_rows = True
 
     def __init__(self, draft_model, num_draft_tokens: int | str = 4, max_draft_tokens: int = 16,
                  sample_drafts: bool = True, fast_forward: bool | None = None):
@@ -120,7 +119,8 @@ class DraftModelAssistant(Assistant):
             self.cache.crop(min(outcome.kept_width - self.cached, 0))
             self.cached = min(self.cached, outcome.kept_width)
 
-    def select_rows(self, index: torch.Tensor) -> None:
+    def release(self, rows: list[int]) -> None:
+        index = self.staying(rows)
         if self.cache is not None and self.cache.get_seq_length() > 0:
             self.cache.batch_select_indices(index)
 

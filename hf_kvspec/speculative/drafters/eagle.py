@@ -16,7 +16,14 @@ One round:
     roll back  crop the tree rows off the cache. Accepted nodes come back next round in the catch-up with the
                target's true features (EAGLE re-feeds them too), so no keep-positions step is needed here.
 
-Shapes: ``B`` rows, ``W`` buffer width, ``m`` fed rows, ``H`` hidden, ``F`` feature width, ``V`` vocabulary.
+State: ``EagleRows`` (the cache, the columns it holds, the features not fed yet, the last root's output) for the
+rows of one buffer. The serving engine keeps one one-row ``EagleRows`` per request (``open_rows``) and drafts for
+all its drafting requests at once (``propose_each``): ``stack_rows`` lays the sequences out as one buffer with
+holes (each sequence's cached columns right-aligned, then its new ones), the same catch-up and growth run over it,
+and each sequence keeps its new cache columns; every sequence gets the tree it would grow alone.
+
+Shapes: ``B`` rows, ``W`` buffer width, ``m`` fed rows, ``H`` hidden, ``F`` feature width, ``V`` vocabulary,
+``R`` sequences drafted together.
 """
 
 from __future__ import annotations
@@ -63,7 +70,6 @@ class EagleAssistant(Assistant):
     """
 
     wants_hidden_states = True
-    can_drop_rows = True
     proposes_trees = True  # the loop checks up front that the target's attention takes a 4D tree mask
 
     def __init__(self, head, tree: str | Sequence[Sequence[int]] = "dynamic", depth: int = 5,
@@ -110,14 +116,14 @@ class EagleAssistant(Assistant):
                              f"token) but got {target_hidden.shape[-1]}; pass FeatureCapture(target, "
                              f"{list(self.feature_layers)}).features() as the target's hidden states.")
         missing = width - 1 - target_hidden.shape[1]  # prompt columns a caller's cache held already
-        return EagleRows(DynamicCache(), 0, torch.nn.functional.pad(target_hidden, (0, 0, max(missing, 0), 0)))
+        return EagleRows(DynamicCache(), 0, [torch.nn.functional.pad(target_hidden, (0, 0, max(missing, 0), 0))])
 
     def observe(self, outcome: RoundOutcome) -> None:
         super().observe(outcome)
         self.rows.observe(outcome.kept_width, outcome.target_hidden)
 
-    def select_rows(self, index: torch.Tensor) -> None:
-        self.rows.select(index)
+    def release(self, rows: list[int]) -> None:
+        self.rows.select(self.staying(rows))
 
     def kernel_modules(self) -> tuple:
         return (self.head,)
@@ -205,7 +211,7 @@ class EagleAssistant(Assistant):
         hidden = out.hidden_states[index, last.clamp_min(start) - start]  # [B, H]
         if rows.root_hidden is not None:  # a row with no new real column keeps its last root's output
             hidden = torch.where((last >= start)[:, None], hidden, rows.root_hidden.to(hidden.dtype))
-        rows.cached, rows.pending, rows.root_hidden = end, rows.pending[:, :0], hidden
+        rows.cached, rows.chunks, rows.root_hidden = end, [rows.pending[:, :0]], hidden
         return hidden
 
     def _logprobs(self, draft_hidden: torch.Tensor) -> torch.Tensor:
@@ -221,25 +227,37 @@ class EagleAssistant(Assistant):
 class EagleRows:
     """The drafter's state for ``B`` rows aligned with a token buffer: column c of ``cache`` (the head's one layer)
     is buffer column c; ``pending`` ``[B, m, F]`` are the target features of columns ``cached .. cached + m - 1``,
-    not fed yet; ``root_hidden`` ``[B, H]`` is the output that scored the last root's children."""
+    not fed yet (kept in ``chunks`` as the rounds delivered them, so a round that drafts nothing copies nothing);
+    ``root_hidden`` ``[B, H]`` is the output that scored the last root's children."""
 
     cache: DynamicCache
     cached: int
-    pending: torch.Tensor
+    chunks: list[torch.Tensor]  # [B, m_j, F] each, in column order; at least one (possibly empty)
     root_hidden: torch.Tensor | None = None
+
+    @property
+    def pending(self) -> torch.Tensor:
+        """``[B, m, F]`` the features not fed yet, in one tensor."""
+        if len(self.chunks) > 1:
+            self.chunks = [torch.cat(self.chunks, dim=1)]
+        return self.chunks[0]
+
+    @property
+    def pending_width(self) -> int:
+        return sum(chunk.shape[1] for chunk in self.chunks)
 
     def observe(self, kept_width: int, target_hidden: torch.Tensor) -> None:
         """The target now holds ``kept_width`` columns; ``target_hidden`` ``[B, >= new, F]`` starts with the features
         of the columns committed since the last round (the root's, then the accepted path's)."""
-        new = kept_width - self.cached - self.pending.shape[1]
-        self.pending = torch.cat([self.pending, target_hidden[:, :new].to(self.pending.dtype)], dim=1)
+        new = kept_width - self.cached - self.pending_width
+        self.chunks.append(target_hidden[:, :new].to(self.chunks[0].dtype))
 
     def select(self, index: torch.Tensor) -> None:
         """Keep rows ``index`` [A] (a CPU tensor)."""
         if self.cache.get_seq_length() > 0:
             self.cache.batch_select_indices(index)
-        device_index = index.to(self.pending.device)
-        self.pending = self.pending[device_index]
+        device_index = index.to(self.chunks[0].device)
+        self.chunks = [self.pending[device_index]]
         if self.root_hidden is not None:
             self.root_hidden = self.root_hidden[device_index]
 
@@ -257,7 +275,7 @@ class EagleRows:
             if count == 0:
                 continue
             row.cache.update(keys[i:i + 1, :, self.cached - count:], values[i:i + 1, :, self.cached - count:], 0)
-            row.cached, row.pending = row.cached + count, row.pending[:, :0]
+            row.cached, row.chunks = row.cached + count, [row.pending[:, :0]]
             row.root_hidden = self.root_hidden[i:i + 1]
 
 
@@ -276,7 +294,7 @@ def stack_rows(rows: list[EagleRows], tokens: list[list[int]]) -> tuple[EagleRow
     cached = max(row.cached for row in rows)
     new = [len(seq) - 1 - row.cached for row, seq in zip(rows, tokens)]
     pending_width = max(new)
-    if any(count != row.pending.shape[1] for count, row in zip(new, rows)):
+    if any(count != row.pending_width for count, row in zip(new, rows)):
         raise ValueError("each EAGLE row state must hold the features of its sequence's uncached columns.")
     width = cached + pending_width + 1
     ids = torch.zeros(len(rows), width, dtype=torch.long)  # holes hold token 0, masked
@@ -289,7 +307,7 @@ def stack_rows(rows: list[EagleRows], tokens: list[list[int]]) -> tuple[EagleRow
         for start, part in ((cached - c, seq[:c]), (cached + pending_width - m, seq[c:c + m]), (width - 1, seq[-1:])):
             ids[i, start:start + part.shape[0]], mask[i, start:start + part.shape[0]] = part, 1
         pending[i, pending_width - m:] = row.pending[0]
-    batch = EagleRows(DynamicCache(), cached, pending, _stacked_roots(rows))
+    batch = EagleRows(DynamicCache(), cached, [pending], _stacked_roots(rows))
     if cached:
         batch.cache.update(*_left_padded(rows, cached), 0)
     device = first.device

@@ -47,7 +47,6 @@ class EarlyExitAssistant(Assistant):
 
     shares_target_cache = True
     runs_verify_forward = True
-    can_drop_rows = True  # no per-row state survives a round
 
     def __init__(self, exit_layer: int | None, num_draft_tokens: int | str = "auto", adapter=None,
                  max_draft_tokens: int = 16, draft_vocab_size: int | str | None = "shipped", draft_vocab=None):
@@ -72,6 +71,9 @@ class EarlyExitAssistant(Assistant):
             self.adapter.attach(target)
         if self.adapter is not None:
             _check_adapter_width(self.adapter, target)
+
+    def release(self, rows: list[int]) -> None:
+        self.staying(rows)  # no per-row state survives a round: finished rows may leave
 
     def begin(self, target, buffer, target_hidden=None) -> None:
         super().begin(target, buffer, target_hidden)

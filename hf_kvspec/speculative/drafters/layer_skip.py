@@ -63,7 +63,6 @@ class LayerSkipAssistant(Assistant):
     """
 
     shares_target_cache = True
-    can_drop_rows = True  # no per-row state survives a round
 
     def __init__(self, skip_layers: list[int] | str = "search", num_draft_tokens: int | str = 4,
                  max_draft_tokens: int = 16, calibration_tokens: int = 16, patience: int = 3,
@@ -117,6 +116,9 @@ class LayerSkipAssistant(Assistant):
         """The settings that change the search's result (part of the reuse key and of a saved file)."""
         draft_len = self.num_draft_tokens if isinstance(self.num_draft_tokens, int) else 4
         return SearchSettings(self.calibration_tokens, self.patience, draft_len)
+
+    def release(self, rows: list[int]) -> None:
+        self.staying(rows)  # no per-row state survives a round: finished rows may leave
 
     def begin(self, target, buffer, target_hidden=None) -> None:
         super().begin(target, buffer, target_hidden)

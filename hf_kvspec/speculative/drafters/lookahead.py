@@ -56,7 +56,6 @@ class LookaheadAssistant(Assistant):
 
     proposes_trees = True
     runs_verify_forward = True
-    can_drop_rows = True
 
     def __init__(self, window: int = 5, ngram: int = 4, guesses: int = 5, prompt_ngrams: bool = True,
                  num_draft_tokens: int | str = "auto", pool_size: int = 512, context_tokens: int | None = None,
@@ -93,7 +92,8 @@ class LookaheadAssistant(Assistant):
         if self.sizing is not None:
             self.sizing.start_call(rows)
 
-    def select_rows(self, index: torch.Tensor) -> None:
+    def release(self, rows: list[int]) -> None:
+        index = self.staying(rows)
         self.jacobi.select_rows(index)
         self.pool.select_rows(index)
         self.first_real = self.first_real[index.to(self.first_real.device)]

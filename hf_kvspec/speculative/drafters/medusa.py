@@ -47,7 +47,6 @@ class MedusaAssistant(Assistant):
     """
 
     wants_hidden_states = True
-    can_drop_rows = True
     proposes_trees = True  # the loop checks up front that the target's attention takes a 4D tree mask
     feature_layers = (-1,)  # the target's final (normalised) hidden state
 
@@ -135,7 +134,8 @@ class MedusaAssistant(Assistant):
         accepted = torch.where(outcome.alive, outcome.num_accepted, 0).clamp_max(hidden.shape[1] - 1)
         self.feature = hidden[rows, accepted.to(hidden.device)]
 
-    def select_rows(self, index: torch.Tensor) -> None:
+    def release(self, rows: list[int]) -> None:
+        index = self.staying(rows)
         if self.feature is not None:
             self.feature = self.feature[index.to(self.feature.device)]
 

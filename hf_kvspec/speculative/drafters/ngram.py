@@ -38,7 +38,6 @@ class NgramAssistant(Assistant):
     ``num_draft_tokens="auto"`` adapts K to the measured acceptance and verify cost (draft cost is ~0).
     """
 
-    can_drop_rows = True
 
     def __init__(self, max_ngram: int = 3, num_draft_tokens: int | str = 8, min_ngram: int = 1,
                  max_draft_tokens: int = 16):
@@ -55,7 +54,8 @@ class NgramAssistant(Assistant):
         # left padding of each row (history starts with the padded prompt); pads must not match n-grams
         self.first_real = (buffer.mask.cumsum(dim=1) == 0).sum(dim=1).tolist()
 
-    def select_rows(self, index: torch.Tensor) -> None:
+    def release(self, rows: list[int]) -> None:
+        index = self.staying(rows)
         self.first_real = [self.first_real[i] for i in index.tolist()]
 
     def lookup(self, sequence: torch.Tensor, count: int) -> torch.Tensor:

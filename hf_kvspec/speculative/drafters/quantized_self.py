@@ -40,7 +40,6 @@ class QuantizedSelfAssistant(Assistant):
     ``sample_drafts=False`` drafts the copy's argmax when the call samples (verified as point masses)."""
 
     shares_target_cache = True
-    can_drop_rows = True  # no per-row state survives a round
 
     def __init__(self, target, weights: str = "int8", num_draft_tokens: int | str = 8, max_draft_tokens: int = 16,
                  sample_drafts: bool = True):
@@ -67,6 +66,9 @@ class QuantizedSelfAssistant(Assistant):
             raise ValueError(f"QuantizedSelfAssistant drafts on the target's cache with the fast forward, which "
                              f"reads a DynamicCache; got {type(cache).__name__}. Drop cache= (or pass a "
                              "DynamicCache).")
+
+    def release(self, rows: list[int]) -> None:
+        self.staying(rows)  # no per-row state survives a round: finished rows may leave
 
     def begin(self, target, buffer, target_hidden=None) -> None:
         super().begin(target, buffer, target_hidden)

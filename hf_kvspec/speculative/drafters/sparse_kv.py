@@ -57,7 +57,6 @@ class SparseKVAssistant(Assistant):
     """
 
     shares_target_cache = True
-    can_drop_rows = True
 
     def __init__(self, view: str = "streaming", sink_tokens: int = 4, window: int = 256,
                  num_draft_tokens: int | str = 4, max_draft_tokens: int = 16, sample_drafts: bool = True,
@@ -168,7 +167,8 @@ class SparseKVAssistant(Assistant):
                              "hf_kvspec.enable_quantized_attention(model) first (over any other cache it is SDPA "
                              "reading grouped K/V once, so verification is unchanged).")
 
-    def select_rows(self, index: torch.Tensor) -> None:
+    def release(self, rows: list[int]) -> None:
+        index = self.staying(rows)
         if self.shadow is not None and self.shadow.get_seq_length() > 0:
             self.shadow.batch_select_indices(index)
 

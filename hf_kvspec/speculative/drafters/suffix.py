@@ -74,7 +74,6 @@ class SuffixAssistant(Assistant):
         spec_factor: a draft is at most ``spec_factor`` times as deep as the matched suffix is long.
     """
 
-    can_drop_rows = True
 
     def __init__(self, pool: SuffixPool | None = None, salt: str | None = None, num_draft_tokens: int = 8,
                  tree: bool = True, min_prob: float = 0.1, spec_factor: float = 1.0, max_draft_tokens: int = 16):
@@ -111,7 +110,8 @@ class SuffixAssistant(Assistant):
         super().observe(outcome)
         self._update(outcome.alive.cpu())
 
-    def select_rows(self, index: torch.Tensor) -> None:
+    def release(self, rows: list[int]) -> None:
+        index = self.staying(rows)
         staying = set(index.tolist())
         for row, seq in enumerate(self._rows):
             if row not in staying:
