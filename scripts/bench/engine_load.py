@@ -207,20 +207,25 @@ def run(args) -> None:
             running = max_running or (len(prompts) if rate is None else args.max_running)
             for row in run_cell(runs, kind, label, running, prompts, arrivals, args.repeats, args.paired):
                 report.add(**row)
-    report.notes += [
+    report.notes += run_notes(args)
+    report.write()
+    save_plot(args.out_name, lambda fig: draw(fig, report.rows))
+
+
+def run_notes(args) -> list[str]:
+    """The results file's notes: how each cell was run and what its columns mean."""
+    protocol = (f"each system run {args.repeats} times, each run right after a run of the plain engine; speedup = "
+                "the median of those pairs' ratios (tok_per_s: each system's fastest run; transformers' once)"
+                if getattr(args, "paired", False) else
+                f"each system's fastest of {args.repeats} runs in alternating order (transformers' once)")
+    return [
         f"{args.num_requests} requests per cell, greedy, max_new_tokens={args.max_new_tokens}, 1 torch thread; "
-        (f"each system run {args.repeats} times, each run right after a run of the plain engine; speedup = the "
-         "median of those pairs' ratios (tok_per_s: each system's fastest run; transformers' once); "
-         if args.paired else
-         f"each system's fastest of {args.repeats} runs in alternating order (transformers' once); ") +
-        "C=n: all queued at t=0, at most n running (a closed loop); r/s: Poisson arrivals, "
+        f"{protocol}; C=n: all queued at t=0, at most n running (a closed loop); r/s: Poisson arrivals, "
         f"max_running={args.max_running}.",
         "speedup: tok/s over the plain engine in the same cell; k_mean: drafts per decode row (the engine's goodput "
         "choice, 0 where drafting does not pay); tau: tokens per decode row and round; drafting: share of decode "
         "rows that drafted.",
     ]
-    report.write()
-    save_plot(args.out_name, lambda fig: draw(fig, report.rows))
 
 
 def draw(fig, rows: list[dict]) -> None:
