@@ -51,6 +51,16 @@ def tiny_model(kind: str = "llama", seed: int = 0, attn_implementation: str | No
     return model.eval()
 
 
+def randomized(module, seed: int, scale: float):
+    """``module`` with every parameter drawn from N(0, scale^2) under ``seed``, in eval mode (draft heads whose
+    trained-from-zero blocks would otherwise hide mistakes)."""
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn_like(p) * scale)
+    return module.eval()
+
+
 def left_padded_batch(prompts: list[list[int]], pad_token_id: int = 0):
     """``(input_ids, attention_mask)`` [B, T_max] for token-id prompts of uneven length, left padded."""
     width = max(len(p) for p in prompts)

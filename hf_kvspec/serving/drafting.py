@@ -146,6 +146,9 @@ class Drafters:
 
     shared_cost = False  # each request's draft call costs its own time (``DraftBudget``)
     pool = None  # no suffix pool
+    #: a session's assistant may run the target's own forward (a draft model that is the target), outside the
+    #: engine's attention (``RoundDrafts.runs_target_outside``)
+    runs_target = True
 
     def propose_rows(self, entries: list[tuple[Request, int]], record=None) -> list[DraftProposal]:
         """Each ``(request, count)``'s proposal ``[1, N]`` (N <= count), one session at a time; ``record(count,

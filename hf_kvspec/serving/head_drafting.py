@@ -43,6 +43,8 @@ class HeadDrafters(Drafters):
     """The engine's drafter for an ``EagleAssistant`` or ``MedusaAssistant``: one state per request, one batched
     drafting call per round (module docstring)."""
 
+    runs_target = False  # the heads borrow the target's embedding and LM head only
+
     def _begin(self, request: Request, features: torch.Tensor):
         # features [1, C, F]: the columns the request fed so far (fewer than its tokens after a prefix-cache hit)
         if isinstance(self.assistant, EagleAssistant):

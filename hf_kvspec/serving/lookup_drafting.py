@@ -27,6 +27,8 @@ LOOKUP_ASSISTANTS = (NgramAssistant,)
 class LookupDrafters(Drafters):
     """The engine's drafter for an ``NgramAssistant``: every decoding request may draft from its first round on."""
 
+    runs_target = False
+
     def _begin(self, request: Request, features) -> bool:
         return True  # nothing to keep: a request's tokens are its drafter's whole state
 

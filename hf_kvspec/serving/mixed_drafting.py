@@ -50,6 +50,7 @@ class MixedDrafters:
 
     def __init__(self, suffix: SuffixDrafters, model: Drafters, step_seconds=lambda: 0.0):
         self.suffix, self.model, self.step_seconds = suffix, model, step_seconds
+        self.runs_target = model.runs_target
         self.assistant, self.feature_layers = model.assistant, model.feature_layers
         self.pool = suffix.pool
         self.model_alpha = Ratio(prior=0.6)  # accepted / offered model drafts, per draft position

@@ -109,8 +109,7 @@ class RoundDrafts:
     def runs_target_outside(self) -> bool:
         """Whether drafting may run the target's own forward outside the engine's attention (a draft model that is
         the target): then the engine must not hold its attention switch across rounds."""
-        drafters = self.drafters.model if isinstance(self.drafters, MixedDrafters) else self.drafters
-        return isinstance(drafters, Drafters) and not isinstance(drafters, (HeadDrafters, LookupDrafters))
+        return self.drafters.runs_target
 
     # ---- before and after scheduling ---------------------------------------------------------------------
     def set_limits(self, running: list[Request]) -> None:

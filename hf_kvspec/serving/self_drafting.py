@@ -56,6 +56,7 @@ class SelfDrafters:
     """
 
     shared_cost = True
+    runs_target = False  # its forwards are the engine's own, on the engine's cache
     feature_layers = None
     pool = None
 

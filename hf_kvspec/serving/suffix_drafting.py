@@ -64,6 +64,7 @@ class SuffixDrafters:
 
     shared_cost = False
     feature_layers = None
+    runs_target = False
 
     def __init__(self, assistant: SuffixAssistant, num_draft_tokens: int | None = None):
         size = assistant.num_draft_tokens if num_draft_tokens is None else num_draft_tokens

@@ -25,7 +25,7 @@ from hf_kvspec.speculative.drafters.ngram import NgramAssistant
 from hf_kvspec.speculative.drafters.quantized_self import QuantizedSelfAssistant
 from hf_kvspec.speculative.drafters.suffix import SuffixAssistant
 from hf_kvspec.speculative.suffix_pool import SuffixPool
-from tests.tiny_models import tiny_model
+from tests.tiny_models import randomized, tiny_model
 
 from .helpers import assert_pool_full, greedy_reference, random_prompts, run_to_end, run_with_arrivals
 
@@ -67,13 +67,6 @@ class OracleTree(Assistant):
         return DraftProposal(torch.tensor([tokens]), None, torch.tensor([parents]))
 
 
-def _random(module, seed, scale):
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        for p in module.parameters():
-            p.copy_(torch.randn_like(p) * scale)
-    return module.eval()
-
 
 def make_assistant(kind, target):
     if "+" in kind:  # the suffix pool and a model drafter, chosen per request and round
@@ -89,9 +82,9 @@ def make_assistant(kind, target):
     if kind in ("suffix", "suffix_chain"):  # the engine's pool: trees of the most frequent continuations, or chains
         return SuffixAssistant(pool=SuffixPool(share_unsalted=True), tree=kind == "suffix", min_prob=0.05)
     if kind == "eagle":
-        head = _random(EagleHead(EagleConfig.for_base_model(target, "tiny")), 2, 0.2)
+        head = randomized(EagleHead(EagleConfig.for_base_model(target, "tiny")), 2, 0.2)
         return EagleAssistant(head, depth=3, top_k=2, total_tokens=6, num_draft_tokens=None, draft_vocab_size=None)
-    heads = _random(MedusaHeads(MedusaConfig.for_base_model(target, "tiny", num_heads=3)), 1, 0.3)
+    heads = randomized(MedusaHeads(MedusaConfig.for_base_model(target, "tiny", num_heads=3)), 1, 0.3)
     return MedusaAssistant(heads, tree=[(0,), (1,), (0, 0), (2,), (0, 1), (0, 0, 0)], num_draft_tokens=None,
                            draft_vocab_size=None)
 

@@ -18,7 +18,7 @@ from hf_kvspec.speculative.drafters.eagle import EagleAssistant
 from hf_kvspec.speculative.drafters.features import ensure_attached
 from hf_kvspec.speculative.drafters.medusa import MedusaAssistant
 from hf_kvspec.speculative.tree import grow_dynamic_pool, grow_dynamic_tree
-from tests.tiny_models import tiny_model
+from tests.tiny_models import randomized, tiny_model
 
 #: per round, per sequence: (nodes asked, depth cap, drafts accepted after it)
 ROUNDS = [((6, 9, 2), (3, 9, 0), (6, 1, 1)),
@@ -31,13 +31,6 @@ LENGTHS = (7, 12, 4)  # tokens of each sequence at its start (the prompt and the
 def target():
     return tiny_model("llama", seed=0)
 
-
-def _randomized(module, seed, scale):
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        for p in module.parameters():
-            p.copy_(torch.randn_like(p) * scale)
-    return module.eval()
 
 
 def _one_row(tokens: list[int]) -> TokenBuffer:
@@ -57,7 +50,7 @@ def _outcome(kept_width: int, accepted: int, path: torch.Tensor) -> RoundOutcome
 
 @pytest.mark.parametrize("tree", ["dynamic", [(0,), (1,), (0, 0), (0, 1), (0, 0, 0), (2,)]])
 def test_eagle_batched_proposals_equal_each_sequence_drafted_alone(target, tree):
-    head = _randomized(EagleHead(EagleConfig.for_base_model(target, "tiny")), 2, 0.2)
+    head = randomized(EagleHead(EagleConfig.for_base_model(target, "tiny")), 2, 0.2)
     width = head.config.base_hidden_size
     torch.manual_seed(0)
     sequences = [torch.randint(1, 60, (n,)).tolist() for n in LENGTHS]
@@ -93,7 +86,7 @@ def test_eagle_batched_proposals_equal_each_sequence_drafted_alone(target, tree)
 
 
 def test_medusa_batched_proposals_equal_each_sequence_drafted_alone(target):
-    heads = _randomized(MedusaHeads(MedusaConfig.for_base_model(target, "tiny", num_heads=3)), 1, 0.3)
+    heads = randomized(MedusaHeads(MedusaConfig.for_base_model(target, "tiny", num_heads=3)), 1, 0.3)
     tree = [(0,), (1,), (0, 0), (2,), (0, 1), (0, 0, 0)]
     shared = MedusaAssistant(heads, tree=tree, num_draft_tokens=None, draft_vocab_size=None)
     torch.manual_seed(0)

@@ -19,7 +19,7 @@ from hf_kvspec.speculative.drafters.features import FeatureCapture
 from hf_kvspec.speculative.drafters.medusa import MedusaAssistant, typical_verify
 from hf_kvspec.speculative.tree import grow_dynamic_tree, tree_depth
 from hf_kvspec.speculative.verify import rejection_verify
-from tests.tiny_models import left_padded_batch, tiny_model
+from tests.tiny_models import left_padded_batch, randomized, tiny_model
 
 PROMPTS = [[5, 9, 14, 3, 22, 7], [11, 4, 30], [8, 8, 17, 40, 2, 19, 6, 12]]
 
@@ -29,21 +29,14 @@ def target():
     return tiny_model("llama", seed=0)
 
 
-def _randomized(head, seed=1, scale=0.3):
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        for p in head.parameters():
-            p.copy_(torch.randn_like(p) * scale)
-    return head.eval()
-
 
 def _medusa(target, seed=1):
-    return _randomized(MedusaHeads(MedusaConfig.for_base_model(target, "tiny", num_heads=3)), seed)
+    return randomized(MedusaHeads(MedusaConfig.for_base_model(target, "tiny", num_heads=3)), seed, 0.3)
 
 
 def _eagle(target, feature_layers=None, seed=2):
-    return _randomized(EagleHead(EagleConfig.for_base_model(target, "tiny", feature_layers=feature_layers)), seed,
-                       scale=0.2)
+    return randomized(EagleHead(EagleConfig.for_base_model(target, "tiny", feature_layers=feature_layers)), seed,
+                      0.2)
 
 
 def _prefill(target, prompts, layers=(-1,)):

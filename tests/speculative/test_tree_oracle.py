@@ -21,7 +21,7 @@ from hf_kvspec.heads.modeling_medusa import MedusaHeads
 from hf_kvspec.speculative.drafters.eagle import EagleAssistant
 from hf_kvspec.speculative.drafters.medusa import MedusaAssistant
 from tests.speculative.helpers import batch
-from tests.tiny_models import tiny_model
+from tests.tiny_models import randomized, tiny_model
 
 MAX_NEW = 20
 PENALTY = 1.3  # a path-dependent processor in every greedy run
@@ -32,21 +32,14 @@ def target():
     return tiny_model("llama", seed=0)
 
 
-def _randomized(head, seed, scale):
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        for p in head.parameters():
-            p.copy_(torch.randn_like(p) * scale)
-    return head.eval()
-
 
 def medusa_heads(target, seed=1):
-    return _randomized(MedusaHeads(MedusaConfig.for_base_model(target, "tiny", num_heads=4)), seed, 0.3)
+    return randomized(MedusaHeads(MedusaConfig.for_base_model(target, "tiny", num_heads=4)), seed, 0.3)
 
 
 def eagle_head(target, feature_layers=None, seed=2):
     config = EagleConfig.for_base_model(target, "tiny", feature_layers=feature_layers)
-    return _randomized(EagleHead(config), seed, 0.2)
+    return randomized(EagleHead(config), seed, 0.2)
 
 
 def _reference_row(reference, history, row):

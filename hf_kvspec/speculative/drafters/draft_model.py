@@ -37,7 +37,6 @@ class DraftModelAssistant(Assistant):
     as point masses (still exact; usually lower acceptance than rejection sampling against sampled drafts).
     """
 
-
     def __init__(self, draft_model, num_draft_tokens: int | str = 4, max_draft_tokens: int = 16,
                  sample_drafts: bool = True, fast_forward: bool | None = None):
         super().__init__(num_draft_tokens, max_draft_tokens)

@@ -36,6 +36,7 @@ from transformers import DynamicCache
 
 from hf_kvspec.masking import additive_mask
 from hf_kvspec.speculative.autotree import AutoTreeSize, dynamic_menu, fit_tree, static_menu
+from hf_kvspec.speculative.buffer import TokenBuffer
 from hf_kvspec.speculative.draft_vocab import DraftVocabulary
 from hf_kvspec.speculative.drafters.base import Assistant, DraftContext, DraftProposal, RoundOutcome
 from hf_kvspec.speculative.drafters.checks import require_count, require_head, require_rank_fits
@@ -279,7 +280,7 @@ class EagleRows:
             row.root_hidden = self.root_hidden[i:i + 1]
 
 
-def stack_rows(rows: list[EagleRows], tokens: list[list[int]]) -> tuple[EagleRows, object, list[int]]:
+def stack_rows(rows: list[EagleRows], tokens: list[list[int]]) -> tuple[EagleRows, TokenBuffer, list[int]]:
     """One-row states of sequences of different lengths as one state of ``R`` rows over a buffer with holes: row i
     holds its ``c_i`` cached columns right-aligned at ``S = max c``, then its ``m_i`` pending columns
     right-aligned at ``S + P`` (``P = max m``), then its newest token (the root) in the last column::
@@ -289,8 +290,6 @@ def stack_rows(rows: list[EagleRows], tokens: list[list[int]]) -> tuple[EagleRow
 
     Holes are masked out and skipped by positions, as the loop's holes are (``buffer.py``), so each row attends to
     and is positioned by its own columns only. Returns (the state, the buffer, ``[m_i]``)."""
-    from hf_kvspec.speculative.buffer import TokenBuffer
-
     cached = max(row.cached for row in rows)
     new = [len(seq) - 1 - row.cached for row, seq in zip(rows, tokens)]
     pending_width = max(new)

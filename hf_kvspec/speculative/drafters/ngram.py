@@ -38,7 +38,6 @@ class NgramAssistant(Assistant):
     ``num_draft_tokens="auto"`` adapts K to the measured acceptance and verify cost (draft cost is ~0).
     """
 
-
     def __init__(self, max_ngram: int = 3, num_draft_tokens: int | str = 8, min_ngram: int = 1,
                  max_draft_tokens: int = 16):
         super().__init__(num_draft_tokens, max_draft_tokens)

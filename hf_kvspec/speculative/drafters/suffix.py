@@ -74,7 +74,6 @@ class SuffixAssistant(Assistant):
         spec_factor: a draft is at most ``spec_factor`` times as deep as the matched suffix is long.
     """
 
-
     def __init__(self, pool: SuffixPool | None = None, salt: str | None = None, num_draft_tokens: int = 8,
                  tree: bool = True, min_prob: float = 0.1, spec_factor: float = 1.0, max_draft_tokens: int = 16):
         if num_draft_tokens == "auto":
