@@ -1,22 +1,23 @@
-"""Drafting inside the serving engine through per-request sessions: a draft model, or an assistant of the user's
-own, gets a private copy begun on each decoding request alone (a one-row ``DraftContext``). The engine's own
-drafters need no copies: EAGLE/Medusa heads keep a state per request and draft for all of them in one call
-(``head_drafting.py``), n-gram lookups read each request's tokens (``lookup_drafting.py``), and self-drafting and
-the suffix pool have theirs (``self_drafting.py``, ``suffix_drafting.py``). ``Drafters`` below is also the base
-those share: features gathered before a request's state begins, limits, and forgetting a request.
+"""Drafting inside the serving engine for an assistant of the user's own: one ``Assistant.spawn()`` of it per
+decoding request, begun on that request alone (a one-row ``DraftContext``). The engine's own drafters need none:
+EAGLE/Medusa heads keep a state per request and draft for all of them in one call (``head_drafting.py``), draft
+models draft in one packed forward per depth on a cache of their own (``model_drafting.py``), n-gram lookups read
+each request's tokens (``lookup_drafting.py``), and self-drafting and the suffix pool have theirs
+(``self_drafting.py``, ``suffix_drafting.py``). ``Drafters`` below is also the base those share: per-request
+state keyed by request id, features gathered before it begins, limits, and forgetting a request.
 
 Boundary: adapts the speculative package's ``Assistant`` protocol — made for one rectangular ``generate`` call —
-to requests that join, leave and are recomputed between rounds. It owns the sessions and the target features
-gathered for them; verification is ``speculation.py``'s, the forward ``runner.py``'s, K/V ``RaggedPagedCache``'s.
+to requests that join, leave and are recomputed between rounds. It owns the per-request states and the target
+features gathered for them; verification is ``speculation.py``'s, the forward ``runner.py``'s, K/V
+``RaggedPagedCache``'s.
 
-Why one session per request for an arbitrary assistant: such an assistant keeps per-call state aligned with one
-rectangular buffer (a draft model's cache, column by column). With rows of different lengths arriving at any
-round, one batched context would have to re-align or re-prefill that state whenever the set of rows changes; a
-one-row buffer per request never needs either, and is exact under joins, leaves and preemption by construction:
-a session begins when the request's prefill ends, from that request's own tokens and features, and is dropped when
-the request finishes, is cancelled or preempted. The price is one ``propose`` per drafting request per round (a
-draft model's forwards are not yet packed across requests). A session takes a shallow copy of the assistant
-(models shared, state its own) with its ``"auto"`` draft-length tuner off: the engine's budget sizes the drafts.
+Why one spawned assistant per request for an arbitrary assistant: it keeps per-call state aligned with one
+rectangular buffer (column by column). With rows of different lengths arriving at any round, one batched context
+would have to re-align or re-prefill that state whenever the set of rows changes; a one-row buffer per request
+never needs either, and is exact under joins, leaves and preemption by construction: the state begins when the
+request's prefill ends, from that request's own tokens and features, and ends when the request finishes, is
+cancelled or preempted. The price is one ``propose`` per drafting request per round. The engine's budget gives
+each call its K (``DraftContext.num_draft_tokens``); the spawned assistant has no tuner of its own.
 
 Features (assistants with ``wants_hidden_states``): the runner captures the target's features on the packed
 forward (``FeatureCapture``) and each request gets its own columns. Until its state begins they are gathered
@@ -29,14 +30,13 @@ Shapes: ``L`` tokens of a request, ``N`` draft tokens, ``F`` feature width, ``C`
 
 from __future__ import annotations
 
-import copy
 import time
 
 import torch
 
 from hf_kvspec.speculative.buffer import TokenBuffer
 from hf_kvspec.speculative.drafters.base import Assistant, DraftContext, DraftProposal, RoundOutcome
-from hf_kvspec.speculative.positions import History, PositionwiseProcessor
+from hf_kvspec.speculative.positions import History
 from hf_kvspec.speculative.rounds import cap_proposal
 
 from .request import Request
@@ -64,7 +64,7 @@ def resolve_assistant(assistant, model):
 
 
 def check_assistant(assistant: Assistant, sliding: bool) -> None:
-    """Refuse, by name, what the engine cannot run exactly with per-request sessions."""
+    """Refuse, by name, what the engine cannot run exactly, one spawned assistant per request."""
     if not isinstance(assistant, Assistant):
         raise TypeError(f"assistant must be an hf_kvspec Assistant or a spec string, got {type(assistant).__name__}.")
     name = type(assistant).__name__
@@ -79,44 +79,9 @@ def check_assistant(assistant: Assistant, sliding: bool) -> None:
                          "attention takes no tree mask; use a chain drafter (ngram, a draft model).")
 
 
-class DraftSession:
-    """One request's drafter: a private copy of the engine's assistant, begun on the request's tokens."""
-
-    def __init__(self, template: Assistant, target, tokens: list[int], features: torch.Tensor | None,
-                 pad_token_id: int):
-        self.assistant = copy.copy(template)
-        self.assistant.auto = None  # the engine's budget sizes the drafts (module docstring)
-        self.device, self.pad_token_id = target.device, pad_token_id
-        self.assistant.begin(target, self._buffer(tokens), target_hidden=features)  # features [1, C, F] | None
-
-    def _buffer(self, tokens: list[int]) -> TokenBuffer:
-        # [1, L]: every column real, the last one (the newest token) not yet in the target's cache
-        return TokenBuffer(torch.tensor([tokens], device=self.device), None, self.pad_token_id)
-
-    def propose(self, request: Request, count: int, max_depth: int,
-                processor: PositionwiseProcessor) -> DraftProposal:
-        """At most ``count`` drafts ``[1, N]`` (a chain or a tree), no path deeper than ``max_depth``."""
-        buffer = self._buffer(request.tokens)
-        history = History(buffer.tokens, buffer.width + count + 1, self.pad_token_id)
-        alive = torch.ones(1, dtype=torch.bool, device=self.device)
-        ctx = DraftContext(buffer, history, count, request.settings.do_sample, alive, processor, max_depth=max_depth)
-        return cap_proposal(self.assistant.propose(ctx), max_depth, max_nodes=count)
-
-    def observe(self, kept_width: int, num_accepted: int, num_draft: int, path_features: torch.Tensor | None,
-                accepted_nodes: torch.Tensor) -> None:
-        """The round's verdict: the target now holds ``kept_width`` tokens of the request; ``path_features``
-        ``[1, 1 + num_accepted, F]`` are the root's and the accepted path's."""
-        accepted = torch.tensor([num_accepted], device=self.device)
-        alive = torch.ones(1, dtype=torch.bool, device=self.device)
-        self.assistant.observe(RoundOutcome(kept_width, accepted, alive, num_draft, 0.0, 0.0, path_features,
-                                            accepted_nodes=accepted_nodes))
-
-    def end(self) -> None:
-        self.assistant.end()
-
-
 class Drafters:
-    """The engine's drafter sessions, one per decoding request, and the features gathered before each begins."""
+    """One spawned assistant per decoding request (module docstring), and the features gathered before each
+    begins; the base of the engine's batched drafters, whose per-request states replace the spawned assistants."""
 
     def __init__(self, assistant: Assistant, target, num_draft_tokens: int | None, pad_token_id: int):
         own = assistant.num_draft_tokens
@@ -127,17 +92,17 @@ class Drafters:
         self.assistant, self.target, self.num_draft_tokens = assistant, target, size
         self.pad_token_id = pad_token_id
         self.feature_layers = tuple(assistant.feature_layers) if assistant.wants_hidden_states else None
-        self.sessions: dict[int, DraftSession] = {}
+        self.states: dict[int, object] = {}  # request id -> its drafter state (here: a spawned Assistant)
         self._gathered: dict[int, list[torch.Tensor]] = {}  # request id -> feature columns [n, F] each
 
-    def has_session(self, request: Request) -> bool:
-        return request.request_id in self.sessions
+    def has_state(self, request: Request) -> bool:
+        return request.request_id in self.states
 
     def draft_limit(self, request: Request) -> int:
-        """Drafts ``request`` would verify next round: 0 without a session or when its next token is its last
+        """Drafts ``request`` would verify next round: 0 without a drafter state or when its next token is its last
         (a path of ``room - 1`` drafts plus the next token fills the tokens left)."""
         room = request.settings.max_new_tokens - len(request.output_ids)
-        if not self.has_session(request) or room <= 1:
+        if not self.has_state(request) or room <= 1:
             return 0
         return self.num_draft_tokens if self.assistant.proposes_trees else min(self.num_draft_tokens, room - 1)
 
@@ -146,20 +111,19 @@ class Drafters:
 
     shared_cost = False  # each request's draft call costs its own time (``DraftBudget``)
     pool = None  # no suffix pool
-    #: a session's assistant may run the target's own forward (a draft model that is the target), outside the
+    #: a spawned assistant may run the target's own forward (a draft model that is the target), outside the
     #: engine's attention (``RoundDrafts.runs_target_outside``)
     runs_target = True
 
     def propose_rows(self, entries: list[tuple[Request, int]], record=None) -> list[DraftProposal]:
-        """Each ``(request, count)``'s proposal ``[1, N]`` (N <= count), one session at a time; ``record(count,
-        seconds)`` gets each call's time. A session that raises is dropped before the error propagates."""
+        """Each ``(request, count)``'s proposal ``[1, N]`` (N <= count), one request at a time; ``record(count,
+        seconds)`` gets each call's time. A request whose drafter raises loses its state before the error propagates."""
         proposals = []
         for request, count in entries:
             started = time.perf_counter()
             try:
-                proposals.append(self.sessions[request.request_id].propose(
-                    request, count, self.max_depth(request), request_processor(request)) if count > 0
-                    else DraftProposal(torch.zeros(1, 0, dtype=torch.long)))
+                proposals.append(self._propose_one(request, count) if count > 0
+                                 else DraftProposal(torch.zeros(1, 0, dtype=torch.long)))
             except BaseException:
                 self.drop(request)
                 raise
@@ -167,40 +131,61 @@ class Drafters:
                 record(count, time.perf_counter() - started)
         return proposals
 
+    def _propose_one(self, request: Request, count: int) -> DraftProposal:
+        """``request``'s spawned assistant drafts at most ``count`` nodes ``[1, N]`` (a chain or a tree), no path
+        deeper than the tokens it has left."""
+        buffer, max_depth = self._buffer(request.tokens), self.max_depth(request)
+        history = History(buffer.tokens, buffer.width + count + 1, self.pad_token_id)
+        alive = torch.ones(1, dtype=torch.bool, device=self.target.device)
+        ctx = DraftContext(buffer, history, count, request.settings.do_sample, alive, request_processor(request),
+                           max_depth=max_depth)
+        return cap_proposal(self.states[request.request_id].propose(ctx), max_depth, max_nodes=count)
+
+    def _buffer(self, tokens: list[int]) -> TokenBuffer:
+        # [1, L]: every column real, the last one (the newest token) not yet in the target's cache
+        return TokenBuffer(torch.tensor([tokens], device=self.target.device), None, self.pad_token_id)
+
     def observe(self, request: Request, kept_width: int, num_accepted: int, num_draft: int,
                 path_features: torch.Tensor | None, accepted_nodes: torch.Tensor) -> None:
-        """``request``'s round verdict for its session (``DraftSession.observe``)."""
-        self.sessions[request.request_id].observe(kept_width, num_accepted, num_draft, path_features, accepted_nodes)
+        """``request``'s round verdict: the target now holds ``kept_width`` of its tokens; ``path_features``
+        ``[1, 1 + num_accepted, F]`` are the root's and the accepted path's."""
+        device = self.target.device
+        outcome = RoundOutcome(kept_width, torch.tensor([num_accepted], device=device),
+                               torch.ones(1, dtype=torch.bool, device=device), num_draft, 0.0, 0.0, path_features,
+                               accepted_nodes=accepted_nodes)
+        self.states[request.request_id].observe(outcome)
 
     def expected_gains(self, request: Request, limit: int, rows: int = 1) -> None:
         return None  # drafts are made after the plan: K comes from the request's running acceptance
 
     def gather(self, request: Request, features: torch.Tensor | None) -> None:
-        """Features ``[n, F]`` of columns ``request`` fed while it has no session."""
+        """Features ``[n, F]`` of columns ``request`` fed while it has no drafter state."""
         if self.feature_layers is not None and features is not None:
             self._gathered.setdefault(request.request_id, []).append(features.clone())
 
     def start(self, request: Request) -> None:
-        """Begin ``request``'s session on its tokens (its prefill, or a plain decode step, has just ended)."""
-        stale = self.sessions.pop(request.request_id, None)
+        """Begin ``request``'s drafter state on its tokens (its prefill, or a plain decode step, has just ended)."""
+        stale = self.states.pop(request.request_id, None)
         if stale is not None:  # a recompute whose preemption bypassed the engine (Scheduler.preempt)
             self._end(stale)
         gathered = self._gathered.pop(request.request_id, [])
         features = torch.cat(gathered)[None] if self.feature_layers is not None and gathered else None
         if self.feature_layers is not None and features is None:
             return  # a feature drafter needs at least the newest column's feature: begin after the next forward
-        self.sessions[request.request_id] = self._begin(request, features)
+        self.states[request.request_id] = self._begin(request, features)
 
     def _begin(self, request: Request, features: torch.Tensor | None):
-        """The session of ``request`` (features ``[1, C, F]`` | None)."""
-        return DraftSession(self.assistant, self.target, request.tokens, features, self.pad_token_id)
+        """The state of ``request``: a spawned assistant begun on its tokens (features ``[1, C, F]`` | None)."""
+        assistant = self.assistant.spawn()
+        assistant.begin(self.target, self._buffer(request.tokens), target_hidden=features)
+        return assistant
 
-    def _end(self, session) -> None:
-        session.end()
+    def _end(self, state) -> None:
+        state.end()
 
     def drop(self, request: Request) -> None:
-        """``request`` finished, was cancelled or preempted, or its session broke: forget its drafter state."""
+        """``request`` finished, was cancelled or preempted, or its drafter broke: forget its drafter state."""
         self._gathered.pop(request.request_id, None)
-        session = self.sessions.pop(request.request_id, None)
-        if session is not None:
-            self._end(session)
+        state = self.states.pop(request.request_id, None)
+        if state is not None:
+            self._end(state)

@@ -20,7 +20,7 @@ failure before any request was scheduled propagates out of ``step()`` (``failed_
 Threads: the public methods hold one reentrant lock, so ``step``, ``add_request``, ``cancel``, ``stream`` and
 ``get_output`` may be called from several threads; rounds never overlap.
 
-With an assistant, each decoding request drafts through its own session (``drafting.py``), within the slots the
+With an assistant, each decoding request drafts through the engine's drafter for the assistant (``round_drafts.py``), within the slots the
 scheduler granted it, and its drafts are verified in the same forward (``speculation.py``): the round commits,
 per request, the accepted path plus one token and rolls the rest of its K/V back. How many tokens each request
 drafts is chosen per round from load (``hf_kvspec.speculative.draft_budget``): the measured cost of the packed
@@ -72,7 +72,7 @@ class RowResult:
     verdict: Verdict | None  # None: a prefill chunk short of the prompt's end (nothing sampled)
     features: torch.Tensor | None  # [width, F] the target's features of the row's columns (feature drafters)
     width: int  # packed columns of the row (its tokens and drafts)
-    verified: bool = True  # False: a plain sample (no drafter session), not a verify row
+    verified: bool = True  # False: a plain sample (no drafter state), not a verify row
 
 
 class Engine:
@@ -274,7 +274,7 @@ class Engine:
         return deltas
 
     def _fail(self, request: Request, error: Exception) -> RequestDelta:
-        """End a request that failed on its own: it leaves the scheduler, its blocks and drafter session go."""
+        """End a request that failed on its own: it leaves the scheduler, its blocks and drafter state go."""
         self.scheduler.remove(request)
         self._forget_drafts(request)
         request.error = error
@@ -283,7 +283,7 @@ class Engine:
 
     def _run_round(self, only: set[int] | None = None) -> tuple[RoundPlan, list[RowResult]]:
         """Schedule, draft, forward and choose tokens; on any exception, undo the round's reservations and samples
-        (and drop the drafter sessions that drafted in it: ``drafting.py``)."""
+        (and drop the drafter states of the requests that drafted in it)."""
         generators, verify, plan = [], {}, None
         try:
             if self.drafts is not None:

@@ -52,16 +52,16 @@ class HeadDrafters(Drafters):
         ensure_attached(self.assistant.heads, self.target)
         return features[:, -1]  # [1, H] the hidden state that produced the newest token
 
-    def _end(self, session) -> None:
+    def _end(self, state) -> None:
         pass  # a state holds tensors only
 
     def observe(self, request: Request, kept_width: int, num_accepted: int, num_draft: int,
                 path_features: torch.Tensor | None, accepted_nodes: torch.Tensor) -> None:
         """The round's verdict: ``path_features`` ``[1, 1 + k, F]`` are the root's and the accepted path's."""
         if isinstance(self.assistant, EagleAssistant):
-            self.sessions[request.request_id].observe(kept_width, path_features)
+            self.states[request.request_id].observe(kept_width, path_features)
         else:
-            self.sessions[request.request_id] = path_features[:, num_accepted]
+            self.states[request.request_id] = path_features[:, num_accepted]
 
     def propose_rows(self, entries: list[tuple[Request, int]], record=None) -> list[DraftProposal]:
         """Each ``(request, count)``'s proposal ``[1, N]`` (N <= count), drafted in one batched call; ``record(count,
@@ -86,7 +86,7 @@ class HeadDrafters(Drafters):
         return [proposals.get(request.request_id, empty) for request, _ in entries]
 
     def _propose(self, drafting: list[tuple[Request, int]]) -> list[DraftProposal]:
-        states = [self.sessions[request.request_id] for request, _ in drafting]
+        states = [self.states[request.request_id] for request, _ in drafting]
         counts = [count for _, count in drafting]
         depths = [self.max_depth(request) for request, _ in drafting]
         if isinstance(self.assistant, EagleAssistant):

@@ -32,7 +32,7 @@ class LookupDrafters(Drafters):
     def _begin(self, request: Request, features) -> bool:
         return True  # nothing to keep: a request's tokens are its drafter's whole state
 
-    def _end(self, session) -> None:
+    def _end(self, state) -> None:
         pass
 
     def observe(self, request: Request, *verdict) -> None:

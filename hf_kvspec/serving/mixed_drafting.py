@@ -59,9 +59,9 @@ class MixedDrafters:
         self.source: dict[int, str] = {}  # request id -> who drafted its row this round
         self.drafted_by = {"suffix": 0, "model": 0}
 
-    # ---- sessions ----------------------------------------------------------------------------------------
-    def has_session(self, request: Request) -> bool:
-        return self.suffix.has_session(request) or self.model.has_session(request)
+    # ---- per-request state -------------------------------------------------------------------------------------
+    def has_state(self, request: Request) -> bool:
+        return self.suffix.has_state(request) or self.model.has_state(request)
 
     def draft_limit(self, request: Request) -> int:
         return max(self.suffix.draft_limit(request), self.model.draft_limit(request))
@@ -80,7 +80,7 @@ class MixedDrafters:
 
     def start(self, request: Request) -> None:
         self.suffix.start(request)
-        if not self.model.has_session(request):
+        if not self.model.has_state(request):
             self.model.start(request)
 
     def drop(self, request: Request) -> None:
@@ -94,9 +94,9 @@ class MixedDrafters:
                 accepted_nodes: torch.Tensor) -> None:
         """Both drafters see the round; the source that drafted learns its acceptance (the pool its ratio)."""
         self.suffix.observe(request, kept_width, num_accepted)
-        if self.model.has_session(request):
+        if self.model.has_state(request):
             self.model.observe(request, kept_width, num_accepted, num_draft, path_features, accepted_nodes)
-        else:  # a feature drafter's session begins once the request has fed a column
+        else:  # a feature drafter's state begins once the request has fed a column
             self.model.gather(request, path_features[0] if path_features is not None else None)
             self.model.start(request)
         if self.source.pop(request.request_id, None) == "model" and num_draft:
@@ -127,7 +127,7 @@ class MixedDrafters:
         return [proposals[request.request_id] for request, _ in entries]
 
     def _model_pays(self, request: Request, count: int, pool_expected: float, rows: int) -> bool:
-        if count <= 0 or not self.model.has_session(request):
+        if count <= 0 or not self.model.has_state(request):
             return False
         alpha = min(self.model_alpha(request.request_id), 1 - 1e-6)
         model_expected = alpha * (1 - alpha**count) / (1 - alpha)

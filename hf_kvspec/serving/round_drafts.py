@@ -6,8 +6,9 @@ Boundary: between the engine and its drafters. The engine schedules (``scheduler
 (``hf_kvspec.speculative.draft_budget``, or ``num_draft_tokens`` under ``"fixed"``), asks the drafter for the
 proposals and turns them into verify rows (``speculation.py``); it hands the drafter each round's verdict and
 features, and forgets a request's drafter state when it leaves. The drafters: EAGLE/Medusa heads in one batched
-call (``head_drafting.py``), n-gram lookups (``lookup_drafting.py``), the batched self-drafter
-(``self_drafting.py``), the suffix pool (``suffix_drafting.py``), and per-request sessions for draft models and
+call (``head_drafting.py``), draft models in one packed forward per depth on a cache of their own
+(``model_drafting.py``), n-gram lookups (``lookup_drafting.py``), the batched self-drafter
+(``self_drafting.py``), the suffix pool (``suffix_drafting.py``), and one spawned assistant per request for
 assistants of the user's own (``drafting.py``).
 
 Costs are shared: the engines of one model, forward kind, thread count and drafter type in a process keep one
@@ -30,6 +31,7 @@ from .drafting import Drafters, check_assistant, resolve_assistant
 from .head_drafting import HEAD_ASSISTANTS, HeadDrafters
 from .lookup_drafting import LOOKUP_ASSISTANTS, LookupDrafters
 from .mixed_drafting import MixedDrafters
+from .model_drafting import MODEL_ASSISTANTS, ModelDrafters
 from .request import Request
 from .scheduler import RoundPlan
 from .self_drafting import SelfDrafters, check_self_drafting
@@ -63,10 +65,13 @@ def make_drafters(assistant, model, cache, num_draft_tokens: int | None, step_se
         return SelfDrafters(assistant, cache, num_draft_tokens)
     check_assistant(assistant, sliding=any(layer.is_sliding for layer in cache.layers))
     pad = model.generation_config.pad_token_id
+    pad = pad if isinstance(pad, int) else 0
     # the exact classes: a subclass may draft otherwise than the batched paths assume
+    if type(assistant) in MODEL_ASSISTANTS:
+        return ModelDrafters(assistant, model, cache, num_draft_tokens, pad)
     kind = HeadDrafters if type(assistant) in HEAD_ASSISTANTS else (
         LookupDrafters if type(assistant) in LOOKUP_ASSISTANTS else Drafters)
-    return kind(assistant, model, num_draft_tokens, pad if isinstance(pad, int) else 0)
+    return kind(assistant, model, num_draft_tokens, pad)
 
 
 def auto_assistants(model) -> list[str] | str:
@@ -116,7 +121,7 @@ class RoundDrafts:
         """Each running request's draft limit for the scheduler: its K for this round (0 unless it is decoding with
         a drafter). Under the goodput choice K is planned here, before scheduling, for a round of the decoding
         requests' tokens: a request at K = 0 reserves no draft slots, and its row takes the plain path."""
-        decoding = [r for r in running if r.is_decoding and self.drafters.has_session(r)]
+        decoding = [r for r in running if r.is_decoding and self.drafters.has_state(r)]
         for request in running:
             request.draft_limit = 0
         limits = {r.request_id: self.drafters.draft_limit(r) for r in decoding}
@@ -151,7 +156,7 @@ class RoundDrafts:
     def _lengths(self, plan: RoundPlan) -> dict[int, int]:
         """Row index -> drafts to ask for: the slots granted, at most the request's limit (``set_limits``)."""
         return {index: min(row.draft_tokens, row.request.draft_limit) for index, row in enumerate(plan.rows)
-                if row.samples and row.num_tokens == 1 and self.drafters.has_session(row.request)}
+                if row.samples and row.num_tokens == 1 and self.drafters.has_state(row.request)}
 
     # ---- what the round measured -------------------------------------------------------------------------
     def record_forward(self, tokens: int, seconds: float) -> None:
@@ -170,13 +175,13 @@ class RoundDrafts:
     # ---- the drafter's state per request ---------------------------------------------------------------
     def keep(self, request: Request, verdict, verified: bool, num_tokens: int, features) -> None:
         """A request that goes on after the round: its drafter sees the verdict (a plain row of a request with a
-        session is a round that drafted nothing), or its session begins. ``features`` [width, F] | None are the
+        drafter state is a round that drafted nothing), or its state begins. ``features`` [width, F] | None are the
         row's columns; ``request.num_computed`` already counts what the cache kept."""
         if verified:
             path = None if features is None else features[verdict.kept][None]  # [1, 1 + k, F]
             self.drafters.observe(request, request.num_computed, verdict.num_accepted, verdict.num_draft, path,
                                   verdict.accepted_nodes)
-        elif self.drafters.has_session(request) and num_tokens == 1:
+        elif self.drafters.has_state(request) and num_tokens == 1:
             path = None if features is None else features[:1][None]  # [1, 1, F] the root's
             self.drafters.observe(request, request.num_computed, 0, 0, path, torch.zeros(1, 0, dtype=torch.long))
         else:
@@ -184,7 +189,7 @@ class RoundDrafts:
             self.drafters.start(request)
 
     def gather(self, request: Request, features) -> None:
-        """Features of prefill columns, kept until the request's session begins."""
+        """Features of prefill columns, kept until the request's drafter state begins."""
         self.drafters.gather(request, features)
 
     def telemetry(self) -> dict:
@@ -192,6 +197,8 @@ class RoundDrafts:
         drafters are mixed."""
         pool = getattr(self.drafters, "pool", None)
         out = {} if pool is None else {"suffix_pool": pool.stats()}
+        if isinstance(self.drafters, ModelDrafters):
+            out.update(self.drafters.telemetry())
         if isinstance(self.drafters, MixedDrafters):
             out["drafted_by"] = dict(self.drafters.drafted_by)
         return out

@@ -69,7 +69,7 @@ class SelfDrafters:
         self.forward = assistant.forward  # the quantized copy's fast forward
 
     # ---- the engine's drafter interface (as ``drafting.Drafters``) ----------------------------------------
-    def has_session(self, request: Request) -> bool:
+    def has_state(self, request: Request) -> bool:
         return True
 
     def draft_limit(self, request: Request) -> int:

@@ -78,12 +78,12 @@ class SuffixDrafters:
         self._verified: dict[int, float] = {}  # request id -> the estimate of the draft it verifies this round
 
     # ---- the engine's drafter interface (as ``drafting.Drafters``) ----------------------------------------
-    def has_session(self, request: Request) -> bool:
+    def has_state(self, request: Request) -> bool:
         return request.request_id in self._live
 
     def draft_limit(self, request: Request) -> int:
         room = request.settings.max_new_tokens - len(request.output_ids)
-        if not self.has_session(request) or room <= 1:
+        if not self.has_state(request) or room <= 1:
             return 0
         return self.num_draft_tokens if self.assistant.tree else min(self.num_draft_tokens, room - 1)
 

@@ -37,6 +37,7 @@ Shapes: ``B`` rows, ``W`` buffer width, ``N`` draft tokens (nodes), ``V`` vocabu
 from __future__ import annotations
 
 import abc
+import copy
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -211,6 +212,16 @@ class Assistant(abc.ABC):
         ``staying(rows)``). Later contexts and outcomes hold the other rows, in the same order. The loop lets
         finished rows leave only for a drafter that overrides this (``releases_rows``); for any other, finished
         rows stay in the batch to the end of the call (fed holes), so per-row state it keeps stays aligned."""
+
+    def spawn(self) -> Assistant:
+        """An assistant for one more sequence: drafting as this one does, sharing its models and options, with call
+        state of its own and no draft-length tuner (its caller gives each round's K in ``DraftContext``). The
+        serving engine holds one per request for an assistant it has no batched drafter for (a one-row
+        ``begin``/``propose``/``observe``/``end`` each, ``serving/drafting.py``). Default: a shallow copy, which is
+        right when ``begin`` builds every piece of per-call state afresh; override it otherwise."""
+        twin = copy.copy(self)
+        twin.auto, twin.row_ids = None, []
+        return twin
 
     def staying(self, rows: list[int]) -> torch.Tensor:
         """For ``release``: the positions ``[A]`` (a CPU tensor) of the rows that stay among the current ones, in

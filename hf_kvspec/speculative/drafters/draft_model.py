@@ -63,11 +63,7 @@ class DraftModelAssistant(Assistant):
         self.sliding = prepare_for_rollback(self.cache)
         self.forward = self._draft_forward()
         self.cached = 0
-        self.target_vocab = target.get_output_embeddings().out_features
-        draft_vocab = self.model.get_output_embeddings().out_features
-        if abs(draft_vocab - self.target_vocab) > 1024:  # padded vocabularies differ by a little, tokenizers a lot
-            raise ValueError(f"draft vocabulary ({draft_vocab}) does not match the target's ({self.target_vocab}); "
-                             "DraftModelAssistant needs a draft model with the same tokenizer.")
+        self.target_vocab = check_vocabulary(self.model, target)
 
     def _draft_forward(self):
         from hf_kvspec.forward.runner import choose_forward
@@ -94,23 +90,18 @@ class DraftModelAssistant(Assistant):
                 self.cached += 1
         return chain.proposal()
 
-    def _draft_ids(self, ids: torch.Tensor) -> torch.Tensor:
+    def draft_ids(self, ids: torch.Tensor, target_vocab: int) -> torch.Tensor:
         """Target ids [B, T] as the draft can embed them (see the module docstring)."""
-        if self.embeddable >= self.target_vocab:
+        if self.embeddable >= target_vocab:
             return ids
         return ids.masked_fill(ids >= self.embeddable, self.substitute_id)
 
     def _forward(self, ids: torch.Tensor, attention_mask, positions: torch.Tensor) -> torch.Tensor:
         """Draft logits [B, 1, V_target] of the last fed token."""
-        inputs = dict(input_ids=self._draft_ids(ids), attention_mask=attention_mask, position_ids=positions,
-                      logits_to_keep=1)
+        inputs = dict(input_ids=self.draft_ids(ids, self.target_vocab), attention_mask=attention_mask,
+                      position_ids=positions, logits_to_keep=1)
         logits, _, self.cache = self.forward(inputs, self.cache)
-        vocab = logits.shape[-1]
-        if vocab > self.target_vocab:
-            logits = logits[..., : self.target_vocab]
-        elif vocab < self.target_vocab:  # ids the draft cannot produce get probability 0
-            logits = torch.nn.functional.pad(logits, (0, self.target_vocab - vocab), value=float("-inf"))
-        return logits
+        return to_target_vocabulary(logits, self.target_vocab)
 
     def observe(self, outcome: RoundOutcome) -> None:
         super().observe(outcome)
@@ -125,6 +116,28 @@ class DraftModelAssistant(Assistant):
 
     def end(self) -> None:
         self.cache = None
+
+
+def check_vocabulary(draft, target) -> int:
+    """The target's output vocabulary size, after refusing a draft whose vocabulary is another tokenizer's
+    (padded embedding tables differ by a little, tokenizers by a lot)."""
+    target_vocab = target.get_output_embeddings().out_features
+    draft_vocab = draft.get_output_embeddings().out_features
+    if abs(draft_vocab - target_vocab) > 1024:
+        raise ValueError(f"draft vocabulary ({draft_vocab}) does not match the target's ({target_vocab}); "
+                         "DraftModelAssistant needs a draft model with the same tokenizer.")
+    return target_vocab
+
+
+def to_target_vocabulary(logits: torch.Tensor, target_vocab: int) -> torch.Tensor:
+    """Draft logits [..., V_draft] over the target's ``target_vocab`` ids: extra ids cut, missing ones at -inf
+    (probability 0: the draft cannot produce them)."""
+    vocab = logits.shape[-1]
+    if vocab > target_vocab:
+        return logits[..., :target_vocab]
+    if vocab < target_vocab:
+        return torch.nn.functional.pad(logits, (0, target_vocab - vocab), value=float("-inf"))
+    return logits
 
 
 def _embeddable_ids(model) -> int:
