@@ -43,6 +43,7 @@ from dataclasses import dataclass
 import torch
 
 from hf_kvspec.cache.ragged import RaggedPagedCache
+from hf_kvspec.speculative.round import keep_columns
 
 from .attention import register_ragged_attention
 from .prompts import Prompt, check_vocabulary, make_settings, prompt_ids, settings_from_generation_config
@@ -324,7 +325,7 @@ class Engine:
                 self.drafts.record_verify_row(time.perf_counter() - started)
             elif row.samples:
                 token, logprobs = choose(row.request, logits[at])
-                results.append(RowResult(Verdict([token], 0, 0, [], None, logprobs), row_features, width,
+                results.append(RowResult(Verdict([token], 0, 0, None, None, logprobs), row_features, width,
                                          verified=False))
             else:
                 results.append(RowResult(None, row_features, width))
@@ -380,7 +381,7 @@ class Engine:
         """A request that goes on: keep its verified path in the cache; its drafter sees the round."""
         verdict = result.verdict
         if result.verified:  # the root and the accepted path stay (a prefix of the node order only truncates)
-            self.cache.keep_new_tokens(request.request_id, row.start, verdict.kept)
+            keep_columns(self.cache, row.start, verdict.kept, seq_id=request.request_id)
             request.num_computed += verdict.num_accepted
         if self.drafts is not None:
             self.drafts.keep(request, verdict, result.verified, row.num_tokens, result.features)

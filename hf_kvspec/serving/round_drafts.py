@@ -178,7 +178,7 @@ class RoundDrafts:
         drafter state is a round that drafted nothing), or its state begins. ``features`` [width, F] | None are the
         row's columns; ``request.num_computed`` already counts what the cache kept."""
         if verified:
-            path = None if features is None else features[verdict.kept][None]  # [1, 1 + k, F]
+            path = None if features is None else features[verdict.kept[0]][None]  # [1, 1 + k, F]
             self.drafters.observe(request, request.num_computed, verdict.num_accepted, verdict.num_draft, path,
                                   verdict.accepted_nodes)
         elif self.drafters.has_state(request) and num_tokens == 1:

@@ -3,9 +3,9 @@ packed forward beside everyone else's rows, then accepted and rolled back for th
 
 Boundary: one request's verify row in the packed forward — its ``ForwardRow`` (tree positions and mask among the
 new tokens). Everything else of the round is the speculative package's one implementation, the same the
-``generate`` loop runs: ``rounds.plan_round`` decides chain or tree, processes each node's scores after its own
-path, accepts (greedy, or speculative sampling with the request's own generator) and says which columns stay
-(``kept_columns``). Who drafts is ``drafting.py``'s; committing and stopping are the engine's.
+``generate`` loop runs: ``rounds.plan_round`` decides chain or tree; ``round.accept`` processes each node's scores
+after its own path, accepts (greedy, or speculative sampling with the request's own generator) and says which
+columns stay; ``round.keep_columns`` keeps them (``engine.py`` calls it at the commit). Who drafts is ``drafting.py``'s; committing and stopping are the engine's.
 
 A verify row of request r (tokens ``t_0 .. t_{L-1}``, the cache holding the first ``L - 1``)::
 
@@ -18,7 +18,8 @@ Acceptance (``Leviathan et al. 2211.17192``; trees as in SpecInfer ``2305.09781`
 equal to the target's argmax; sampling runs speculative sampling with the request's own generator, point-mass
 drafts when the drafter returns no probabilities. Either way the row emits ``accepted + 1`` tokens, exactly the
 target's (greedy) or distributed as the target's (sampling). Roll back: the root and the accepted path stay
-(``RaggedPagedCache.keep_new_tokens``: a chain, or a path that is a prefix of the node order, only truncates).
+(``round.keep_columns`` -> ``RaggedPagedCache.keep_new_tokens``: a chain, or a path that is a prefix of the node
+order, only truncates).
 
 Shapes: ``N`` drafts · ``V`` vocabulary · ``F`` feature width · ``k`` accepted drafts.
 """
@@ -31,6 +32,7 @@ import torch
 
 from hf_kvspec.speculative.drafters.base import DraftProposal
 from hf_kvspec.speculative.positions import History, PositionwiseProcessor
+from hf_kvspec.speculative.round import accept
 from hf_kvspec.speculative.rounds import plan_round
 
 from .logprobs import TokenLogprob, token_logprobs
@@ -52,7 +54,7 @@ class Verdict:
     tokens: list[int]  # accepted drafts, then the next token (the request's new output, before stop checks)
     num_accepted: int  # k
     num_draft: int  # N
-    kept: list[int]  # offsets among the row's new tokens that stay in the cache: the root (0) and the path
+    kept: torch.Tensor  # [1, 1 + k] offsets among the row's new tokens that stay in the cache: the root (0), the path
     accepted_nodes: torch.Tensor  # [1, k] node index of each accepted draft, in path order
     logprobs: tuple[TokenLogprob, ...] = ()  # per token, when the request asked for them (``logprobs.py``)
 
@@ -80,25 +82,23 @@ class VerifyRow:
         return ForwardRow(request.request_id, tokens, start, positions, mask, tuple(range(count)))
 
     def accept(self, logits: torch.Tensor) -> Verdict:
-        """Verify the drafts against the row's logits ``[1 + N, V]`` (the round's own acceptance, ``rounds.py``,
-        with the request's generator)."""
+        """Verify the drafts against the row's logits ``[1 + N, V]`` (``round.accept``, the loop's own, with the
+        request's generator)."""
         request = self.request
         history = History(torch.tensor([request.tokens], device=logits.device), request.num_tokens + self.num_draft + 1,
                           0)
-        scores = self.round.scores(self.processor, history, logits[None])  # [1, 1 + N, V] fp32
-        result = self.round.verify(scores, request.settings.do_sample, generator=request.generator)
-        k = int(result.num_accepted[0])
-        nodes = result.accepted_nodes[:, :k]  # [1, k]
-        accepted = result.accepted_tokens(self.proposal.tokens.to(nodes.device))[0, :k].tolist()
-        kept = self.round.kept_columns(nodes)[0].tolist()
-        tokens = [*accepted, int(result.next_tokens[0])]
-        return Verdict(tokens, k, self.num_draft, kept, nodes, self._logprobs(scores[0], nodes[0], tokens))
+        verdict = accept(self.round, self.processor, history, logits[None], request.settings.do_sample,
+                         generator=request.generator)
+        count = int(verdict.counts[0])
+        tokens = verdict.emitted[0, :count].tolist()
+        kept = verdict.kept[:, :count]  # [1, 1 + k] the root and the accepted path
+        return Verdict(tokens, count - 1, self.num_draft, kept, verdict.result.accepted_nodes[:, :count - 1],
+                       self._logprobs(verdict.scores[0], verdict.score_rows[0, :count], tokens))
 
-    def _logprobs(self, scores: torch.Tensor, nodes: torch.Tensor, tokens: list[int]) -> tuple[TokenLogprob, ...]:
-        """The emitted tokens' log-probabilities: token j is scored by the root's row (j = 0) or by the row of
-        the accepted node before it (``scores`` ``[1 + N, V]``, row n + 1 = node n; ``nodes`` ``[k]``)."""
+    def _logprobs(self, scores: torch.Tensor, rows: torch.Tensor, tokens: list[int]) -> tuple[TokenLogprob, ...]:
+        """The emitted tokens' log-probabilities: ``scores`` ``[1 + N, V]``, ``rows`` ``[k + 1]`` the score row of
+        each emitted token (``RoundVerdict.score_rows``)."""
         top = self.request.settings.logprobs
         if top is None:
             return ()
-        rows = torch.cat([nodes.new_zeros(1), nodes + 1])  # [k + 1]
         return token_logprobs(scores.index_select(0, rows.to(scores.device)), tokens, top)

@@ -41,10 +41,10 @@ from hf_kvspec.speculative.preflight import (
     check_tree_support,
     rows_may_leave,
 )
+from hf_kvspec.speculative.round import RoundVerdict, accept, keep_columns
 from hf_kvspec.speculative.rounds import cap_proposal, is_tree, plan_round
 from hf_kvspec.speculative.rows import ActiveRows
 from hf_kvspec.speculative.stats import AcceptanceStats
-from hf_kvspec.speculative.verify import VerifyResult
 
 __all__ = ["SpeculativeDecoder", "SpeculativeGenerateOutput", "kernels_apply", "speculative_generate"]
 
@@ -193,7 +193,7 @@ class SpeculativeDecoder:
                       position_ids=self.buffer.positions[:, past:], logits_to_keep=1)
         logits, features = self._forward(inputs)  # [A, 1, V], [A, P - past, F]
         plan, alive = plan_round(DraftProposal(input_ids[:, :0])), self.rows.alive
-        result, _ = self._accept(plan, logits)
+        result = self._accept(plan, logits)[0].result
         self.buffer.append_round(input_ids[:, :0], result.num_accepted, result.next_tokens, alive)
         self.stats.prefill_forwards += 1
         self.output.stream(self.rows.full, self.rows.call_alive())
@@ -212,9 +212,10 @@ class SpeculativeDecoder:
         with self._routing(plan):
             logits, hidden = self._verify_forward(plan)  # verify forward: [A, N + 1, V]; hidden [A, N + 1, F]
         verified = _now(logits)
-        result, kept = self._accept(plan, logits)  # accept, stop, commit
-        longest = int(result.num_accepted[alive].max())  # roll back / keep the path
-        plan.keep(self.cache, self.buffer.width - 1, result.accepted_nodes, longest, self.sliding)
+        verdict, kept = self._accept(plan, logits)  # accept, stop, commit
+        result, longest = verdict.result, int(verdict.result.num_accepted[alive].max())  # roll back / keep the path
+        keep_columns(self.cache, self.buffer.width - 1, verdict.kept[:, :longest + 1], new=plan.num_draft + 1,
+                     tree=plan.is_tree, sliding=self.sliding)
         emitted = result.accepted_tokens(plan.proposal.tokens)[:, :longest]
         self.buffer.append_round(emitted, result.num_accepted, result.next_tokens, alive)
         hidden = plan.path_hidden(hidden, result.accepted_nodes, longest)
@@ -267,18 +268,15 @@ class SpeculativeDecoder:
         logits, features, self.cache = self.forward(inputs, self.cache, self.feature_layers)
         return logits, features
 
-    def _accept(self, plan, logits: torch.Tensor) -> tuple[VerifyResult, torch.Tensor]:
-        """Verify ``plan`` against ``logits`` [A, N + 1, V] and commit each row's emitted tokens (accepted path,
-        then the next token) up to its stop; returns the verdict and the kept counts [A]."""
+    def _accept(self, plan, logits: torch.Tensor) -> tuple[RoundVerdict, torch.Tensor]:
+        """Verify ``plan`` against ``logits`` [A, N + 1, V] (``round.accept``) and commit each row's emitted tokens
+        (accepted path, then the next token) up to its stop; returns the verdict and the kept counts [A]."""
         rows = self.rows
-        scores = plan.scores(rows.process, rows.history, logits)  # each node processed after its own path
-        result = plan.verify(scores, self.do_sample, self.rule)
-        emitted = torch.cat([result.accepted_tokens(plan.proposal.tokens), result.next_tokens[:, None]], dim=1)
-        emitted.scatter_(1, result.num_accepted[:, None], result.next_tokens[:, None])  # [A, D + 1]
-        kept, stopped = rows.keep(emitted, (result.num_accepted + 1) * rows.alive)
-        self.output.record(rows.call_rows(), scores, logits, _score_positions(result), kept)
-        rows.commit(emitted, kept, stopped)
-        return result, kept
+        verdict = accept(plan, rows.process, rows.history, logits, self.do_sample, self.rule)
+        kept, stopped = rows.keep(verdict.emitted, verdict.counts * rows.alive)
+        self.output.record(rows.call_rows(), verdict.scores, logits, verdict.score_rows, kept)
+        rows.commit(verdict.emitted, kept, stopped)
+        return verdict, kept
 
     def _telemetry(self, plan, result, kept, alive, hidden, draft_s: float, verify_s: float) -> None:
         # acceptance per position j of a chain, per depth j + 1 of a tree
@@ -299,12 +297,6 @@ def _cached_prompt(cache, prompt_len: int) -> int:
         cache.crop(prompt_len - 1 - held)
         return prompt_len - 1
     return held
-
-
-def _score_positions(result) -> torch.Tensor:
-    # emitted token j of a chain was scored at position j (the root for j = 0, then after node j - 1)
-    nodes = result.accepted_nodes  # [A, N]; N = 0 in a round that drafted nothing (still one emitted token)
-    return torch.cat([nodes.new_zeros(nodes.shape[0], 1), torch.where(nodes >= 0, nodes + 1, 0)], dim=1)
 
 
 def _now(tensor: torch.Tensor) -> float:

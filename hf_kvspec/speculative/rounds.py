@@ -1,9 +1,10 @@
 """How one round's drafts meet the target: a chain or a tree, behind the same four steps.
 
 Boundary: the tensor work of one speculative round that depends on the *shape* of the proposal: the target forward's
-inputs (ids, mask, positions), the processed scores at every node, acceptance (``verify.py``), what the target cache
-keeps afterwards, and the hidden states of the kept path. The loop (``loop.py``) calls the same methods for both
-shapes and never branches on them; it owns the model call, the cache object, the stopper and the output.
+inputs (ids, mask, positions), the processed scores at every node, acceptance (``verify.py``) and the hidden states
+of the kept path. ``round.py`` strings them into the round both the loop and the engine run (accept, then the
+columns the cache keeps) and never branches on the shape; the callers own the model call, the cache object, the
+stopper and the output.
 
 Glossary (on top of ``verify.py``'s):
     root        the newest committed token (the buffer's last column, not yet in the cache). Score row 0 is the
@@ -44,7 +45,6 @@ from collections.abc import Callable
 
 import torch
 
-from hf_kvspec.cache.contract import keep_positions
 from hf_kvspec.masking import pad_keys
 from hf_kvspec.speculative.drafters.base import DraftProposal
 from hf_kvspec.speculative.positions import History, PositionwiseProcessor
@@ -150,21 +150,9 @@ class ChainRound:
                generator: torch.Generator | None = None) -> VerifyResult:
         return _verify(self.proposal, None, scores, do_sample, rule, generator)
 
-    def keep(self, cache, start: int, accepted_nodes: torch.Tensor, longest: int, sliding: bool) -> None:
-        """Crop the drafts past the longest kept path (``start``/``accepted_nodes`` are implied by the chain)."""
-        rejected = self.num_draft - longest
-        # sliding-window layers recording their past also need crop(0) to shrink back to the window
-        if rejected > 0 or sliding:
-            cache.crop(-rejected)
-
     def path_hidden(self, hidden: torch.Tensor | None, accepted_nodes: torch.Tensor, longest: int):
         """[A, N + 1, H] unchanged: row i's newest feature is ``hidden[i, num_accepted[i]]``."""
         return hidden
-
-    def kept_columns(self, accepted_nodes: torch.Tensor) -> torch.Tensor:
-        """``[A, 1 + k]`` columns of the verified segment that stay (the root, then the accepted path): for a
-        chain the first ``1 + k``."""
-        return keep_indices(accepted_nodes)
 
 
 class TreeRound:
@@ -194,14 +182,6 @@ class TreeRound:
     def verify(self, scores: torch.Tensor, do_sample: bool, rule: AcceptanceRule | None = None,
                generator: torch.Generator | None = None) -> VerifyResult:
         return _verify(self.proposal, self.tree.shared_parents(), scores, do_sample, rule, generator)
-
-    def keep(self, cache, start: int, accepted_nodes: torch.Tensor, longest: int, sliding: bool) -> None:
-        """Keep the root and each row's accepted path (``accepted_nodes`` [A, D]) at columns ``start..``."""
-        keep_positions(cache, start, keep_indices(accepted_nodes[:, :longest]))
-
-    def kept_columns(self, accepted_nodes: torch.Tensor) -> torch.Tensor:
-        """``[A, 1 + k]`` columns of the verified segment that stay (the root, then the accepted path)."""
-        return keep_indices(accepted_nodes)
 
     def path_hidden(self, hidden: torch.Tensor | None, accepted_nodes: torch.Tensor, longest: int):
         """[A, N + 1, H] in node order -> [A, 1 + longest, H] along each row's path (root first)."""

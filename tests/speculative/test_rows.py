@@ -224,3 +224,16 @@ def test_release_names_rows_by_id_across_releases():
     assistant.begin(None, TokenBuffer(torch.ones(4, 3, dtype=torch.long), None, 0))
     assert assistant.staying([1]).tolist() == [0, 2, 3] and assistant.row_ids == [0, 2, 3]
     assert assistant.staying([3, 0]).tolist() == [1] and assistant.row_ids == [2]
+
+
+def test_spawn_shares_the_models_and_keeps_call_state_apart(models):
+    """``Assistant.spawn`` (one per engine request): the draft model is shared, the per-call state is not, and the
+    spawn has no draft-length tuner while the original keeps its own."""
+    from hf_kvspec.speculative.buffer import TokenBuffer
+
+    target, draft = models[0], models[1]["wrong"]
+    original = hf_kvspec.DraftModelAssistant(draft, num_draft_tokens="auto")
+    twin = original.spawn()
+    assert twin.model is original.model and twin.auto is None and original.auto is not None
+    twin.begin(target, TokenBuffer(torch.ones(1, 3, dtype=torch.long), None, 0))
+    assert twin.cache is not None and original.cache is None and original.row_ids == []
