@@ -43,7 +43,6 @@ from dataclasses import dataclass
 import torch
 
 from hf_kvspec.cache.ragged import RaggedPagedCache
-from hf_kvspec.speculative.round import keep_columns
 
 from .attention import register_ragged_attention
 from .prompts import Prompt, check_vocabulary, make_settings, prompt_ids, settings_from_generation_config
@@ -320,9 +319,8 @@ class Engine:
             count, width = len(forward_row.logits_at), len(forward_row.token_ids)
             row_features = None if features is None else features[column: column + width]  # [width, F]
             if index in verify:
-                started = time.perf_counter()
-                results.append(RowResult(verify[index].accept(logits[at: at + count]), row_features, width))
-                self.drafts.record_verify_row(time.perf_counter() - started)
+                results.append(RowResult(self.drafts.accept(verify[index], logits[at: at + count]), row_features,
+                                         width))
             elif row.samples:
                 token, logprobs = choose(row.request, logits[at])
                 results.append(RowResult(Verdict([token], 0, 0, None, None, logprobs), row_features, width,
@@ -354,8 +352,7 @@ class Engine:
             return None
         new, reason = self._append(request, result.verdict, now)
         if result.verified:
-            request.metrics.record_speculation(result.verdict.num_draft, result.verdict.num_accepted, len(new))
-            self.drafts.record_verdict(request, result.verdict.num_draft, result.verdict.num_accepted)
+            self.drafts.record_verdict(request, result.verdict, len(new))
         if reason is not None:
             request.finish(reason, now)
             self.scheduler.remove(request)
@@ -378,13 +375,9 @@ class Engine:
         return tokens, None
 
     def _keep(self, request: Request, row: ScheduledRow, result: RowResult) -> None:
-        """A request that goes on: keep its verified path in the cache; its drafter sees the round."""
-        verdict = result.verdict
-        if result.verified:  # the root and the accepted path stay (a prefix of the node order only truncates)
-            keep_columns(self.cache, row.start, verdict.kept, seq_id=request.request_id)
-            request.num_computed += verdict.num_accepted
+        """A request that goes on: its verified path stays in the cache; its drafter sees the round."""
         if self.drafts is not None:
-            self.drafts.keep(request, verdict, result.verified, row.num_tokens, result.features)
+            self.drafts.keep(request, row, result.verdict, result.verified, result.features)
 
     def _gather_features(self, request: Request, features) -> None:
         if self.drafts is not None:

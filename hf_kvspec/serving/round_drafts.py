@@ -17,6 +17,7 @@ Costs are shared: the engines of one model, forward kind, thread count and draft
 
 from __future__ import annotations
 
+import time
 import weakref
 
 import torch
@@ -25,6 +26,7 @@ from hf_kvspec.speculative.draft_budget import Candidate, Costs, DraftBudget
 from hf_kvspec.speculative.drafters.base import DraftProposal
 from hf_kvspec.speculative.drafters.quantized_self import QuantizedSelfAssistant
 from hf_kvspec.speculative.drafters.suffix import SuffixAssistant
+from hf_kvspec.speculative.round import keep_columns
 from hf_kvspec.speculative.rounds import keep_nodes
 
 from .drafting import Drafters, check_assistant, resolve_assistant
@@ -33,9 +35,9 @@ from .lookup_drafting import LOOKUP_ASSISTANTS, LookupDrafters
 from .mixed_drafting import MixedDrafters
 from .model_drafting import MODEL_ASSISTANTS, ModelDrafters
 from .request import Request
-from .scheduler import RoundPlan
+from .scheduler import RoundPlan, ScheduledRow
 from .self_drafting import SelfDrafters, check_self_drafting
-from .speculation import VerifyRow
+from .speculation import Verdict, VerifyRow
 from .suffix_drafting import SuffixDrafters
 
 DRAFT_LENGTHS = ("goodput", "fixed")
@@ -103,6 +105,7 @@ class RoundDrafts:
 
     def __init__(self, model, cache, runner, assistant, num_draft_tokens: int | None, draft_lengths: str):
         check_draft_lengths(draft_lengths)
+        self.cache = cache
         self.step = 0.0  # the last round forward's seconds (the mixed drafter weighs a model draft against it)
         self.drafters = make_drafters(assistant, model, cache, num_draft_tokens, lambda: self.step)
         self.feature_layers = self.drafters.feature_layers
@@ -164,24 +167,34 @@ class RoundDrafts:
         if self.budget is not None:
             self.budget.record_forward(tokens, seconds)
 
-    def record_verify_row(self, seconds: float) -> None:
+    def accept(self, row: VerifyRow, logits: torch.Tensor) -> Verdict:
+        """``row``'s verdict from its logits ``[1 + N, V]`` (``VerifyRow.accept``); its time teaches the budget
+        what a verify row costs."""
+        started = time.perf_counter()
+        verdict = row.accept(logits)
         if self.budget is not None:
-            self.budget.record_verify_row(seconds)
+            self.budget.record_verify_row(time.perf_counter() - started)
+        return verdict
 
-    def record_verdict(self, request: Request, drafted: int, accepted: int) -> None:
+    def record_verdict(self, request: Request, verdict: Verdict, emitted: int) -> None:
+        """A verified row's figures: the request's metrics and the budget's acceptance (``emitted``: tokens it
+        appended, fewer than the verdict's when it stopped)."""
+        request.metrics.record_speculation(verdict.num_draft, verdict.num_accepted, emitted)
         if self.budget is not None:
-            self.budget.record_verdict(request.request_id, drafted, accepted)
+            self.budget.record_verdict(request.request_id, verdict.num_draft, verdict.num_accepted)
 
     # ---- the drafter's state per request ---------------------------------------------------------------
-    def keep(self, request: Request, verdict, verified: bool, num_tokens: int, features) -> None:
-        """A request that goes on after the round: its drafter sees the verdict (a plain row of a request with a
-        drafter state is a round that drafted nothing), or its state begins. ``features`` [width, F] | None are the
-        row's columns; ``request.num_computed`` already counts what the cache kept."""
+    def keep(self, request: Request, row: ScheduledRow, verdict: Verdict, verified: bool, features) -> None:
+        """A request that goes on after the round: a verified row's root and accepted path stay in the cache
+        (``round.keep_columns``); its drafter sees the verdict (a plain row of a request with a drafter state is a
+        round that drafted nothing), or its state begins. ``features`` [width, F] | None are the row's columns."""
         if verified:
+            keep_columns(self.cache, row.start, verdict.kept, seq_id=request.request_id)
+            request.num_computed += verdict.num_accepted
             path = None if features is None else features[verdict.kept[0]][None]  # [1, 1 + k, F]
             self.drafters.observe(request, request.num_computed, verdict.num_accepted, verdict.num_draft, path,
                                   verdict.accepted_nodes)
-        elif self.drafters.has_state(request) and num_tokens == 1:
+        elif self.drafters.has_state(request) and row.num_tokens == 1:
             path = None if features is None else features[:1][None]  # [1, 1, F] the root's
             self.drafters.observe(request, request.num_computed, 0, 0, path, torch.zeros(1, 0, dtype=torch.long))
         else:

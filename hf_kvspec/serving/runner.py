@@ -73,12 +73,6 @@ class ForwardRow:
         return cls(row.request.request_id, tokens, row.start, logits_at=(row.num_tokens - 1,) if row.samples else ())
 
 
-def kernels_apply(model) -> bool:
-    """True when the decode kernels can help ``model``: fp32 weights on CPU."""
-    weight = next(model.parameters(), None)
-    return weight is not None and weight.device.type == "cpu" and weight.dtype == torch.float32
-
-
 def _fast_forward(model, fast: bool | None):
     """The model's fast forward (``hf_kvspec.forward``), or None where the engine runs the model's own."""
     from hf_kvspec.forward.runner import choose_forward
@@ -118,6 +112,8 @@ class ForwardRunner:
         self.reference = reference
         self.fast = None if reference or fast_forward is False else _fast_forward(model, fast_forward)
         if decode_kernels is None:
+            from hf_kvspec.kernels.linear import kernels_apply
+
             decode_kernels = not reference and self.fast is None and kernels_apply(model)
         self.kernels = _kernels_for(model) if decode_kernels else None
 

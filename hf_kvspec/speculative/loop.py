@@ -34,6 +34,7 @@ from hf_kvspec.speculative.in_use import exclusive_use
 from hf_kvspec.speculative.output import CallOutput, SpeculativeGenerateOutput
 from hf_kvspec.speculative.positions import History, PositionwiseProcessor, PositionwiseStopper
 from hf_kvspec.speculative.preflight import (
+    call_forward,
     check_call,
     check_entry,
     check_inputs,
@@ -46,7 +47,7 @@ from hf_kvspec.speculative.rounds import cap_proposal, is_tree, plan_round
 from hf_kvspec.speculative.rows import ActiveRows
 from hf_kvspec.speculative.stats import AcceptanceStats
 
-__all__ = ["SpeculativeDecoder", "SpeculativeGenerateOutput", "kernels_apply", "speculative_generate"]
+__all__ = ["SpeculativeDecoder", "SpeculativeGenerateOutput", "speculative_generate"]
 
 _MAX_ROUND_SLACK = 64  # history columns past max_length: one round's drafts
 
@@ -86,6 +87,8 @@ def speculative_generate(model, input_ids, logits_processor, stopping_criteria, 
                                  streamer=_compat.generate_call_streamer(), cache=model_kwargs.get("cache"),
                                  fast_forward=fast_forward)
     if decode_kernels is None:
+        from hf_kvspec.kernels.linear import kernels_apply
+
         decode_kernels = kernels_apply(model)
     previous = _compat.attn_implementation(model.config)
     with switched_attention(model, call_attention, assistant.call_attention) as switched:
@@ -108,31 +111,6 @@ def _run_with_kernels(decoder: SpeculativeDecoder, decode_kernels: bool, input_i
             return decoder.run(input_ids, model_kwargs)
         finally:
             decoder.stats.kernels = kernels.report()
-
-
-def call_forward(model, assistant: Assistant, cache, fast: bool | None):
-    """The call's target forward (``hf_kvspec.forward.choose_forward``): the fast forward unless ``fast`` is False,
-    it does not apply to the model or the caller's cache (a ``ValueError`` naming why when ``fast`` is True), or
-    the assistant runs the target's layers itself."""
-    from hf_kvspec.forward.runner import FastForward, choose_forward
-
-    blocked = None  # decided before anything is packed: a call that cannot use the copies never makes them
-    if not FastForward.supports(cache):
-        blocked = (f"fast_forward=True runs on a DynamicCache (or none); got {type(cache).__name__}. Drop cache= "
-                   "or pass fast_forward=None (the reference forward for this cache).")
-    elif assistant.runs_verify_forward:
-        blocked = (f"fast_forward=True: {type(assistant).__name__} runs the target's layers itself "
-                   "(self-speculation); pass fast_forward=None or False.")
-    if blocked is not None and fast is True:
-        raise ValueError(blocked)
-    return choose_forward(model, False if blocked is not None and fast is None else fast)
-
-
-def kernels_apply(model) -> bool:
-    """True when the decode kernels can help ``model``: fp32 weights on CPU, not being compiled."""
-    weight = next(model.parameters(), None)
-    return (weight is not None and weight.device.type == "cpu" and weight.dtype == torch.float32
-            and not torch.compiler.is_compiling())
 
 
 class SpeculativeDecoder:
@@ -209,7 +187,7 @@ class SpeculativeDecoder:
         start = time.perf_counter()
         plan = plan_round(self._draft())  # draft: [A, N], a chain or a tree
         drafted = _now(plan.proposal.tokens)
-        with self._routing(plan):
+        with self._routing((plan.proposal.tokens.shape[1] + 1) * int(alive.sum())):
             logits, hidden = self._verify_forward(plan)  # verify forward: [A, N + 1, V]; hidden [A, N + 1, F]
         verified = _now(logits)
         verdict, kept = self._accept(plan, logits)  # accept, stop, commit
@@ -235,23 +213,16 @@ class SpeculativeDecoder:
         target_cache = self.cache if self.assistant.shares_target_cache else None
         ctx = DraftContext(self.buffer, self.rows.history, num_draft, self.do_sample, self.rows.alive,
                            self.rows.process, target_cache=target_cache, max_depth=max_depth)
-        with self._draft_routing():
+        with self._routing(int(self.rows.alive.sum())):
             proposal = self.assistant.propose(ctx)
         if is_tree(proposal):
             check_tree_support(self.model, self.sliding)
         return cap_proposal(proposal, max_depth)
 
-    def _routing(self, plan):
-        """The decode kernels' routing around a verify forward of several rows (drafts, or more than one live
-        sequence), where a weight read once pays; a one-row plain step runs stock (routing costs about what it
-        would save there)."""
-        rows = (plan.proposal.tokens.shape[1] + 1) * int(self.rows.alive.sum())
-        return self.kernels.routing() if self.kernels is not None and rows > 1 else contextlib.nullcontext()
-
-    def _draft_routing(self):
-        """The decode kernels' routing around drafting when several rows draft at once (a weight read once for
-        all rows pays there; one row drafts on torch's stock kernels, as a one-row plain step)."""
-        rows = int(self.rows.alive.sum())
+    def _routing(self, rows: int):
+        """The decode kernels' routing around a forward or a drafting call over ``rows`` token rows (a verify
+        forward's drafts, or several live sequences), where a weight read once for all rows pays; a one-row step
+        runs stock (routing costs about what it would save there)."""
         return self.kernels.routing() if self.kernels is not None and rows > 1 else contextlib.nullcontext()
 
     def _verify_forward(self, plan):

@@ -2,7 +2,8 @@
 name the fix.
 
 Boundary: reads the model's config, the assistant's declared capabilities (``drafters.base.Assistant``) and the
-cache's (``cache.contract``); refuses what the loop cannot do exactly. No forwards, no state.
+cache's (``cache.contract``); refuses what the loop cannot do exactly, and picks the call's target forward
+(``call_forward``) before anything is packed. No forwards, no state.
 """
 
 from __future__ import annotations
@@ -117,3 +118,21 @@ def rows_may_leave(cache, assistant: Assistant) -> bool:
     return (type(cache) is DynamicCache and not getattr(cache, "offloading", False)
             and not _compat.cache_is_user_defined(cache)
             and all(callable(getattr(layer, "batch_select_indices", None)) for layer in cache.layers))
+
+
+def call_forward(model, assistant: Assistant, cache, fast: bool | None):
+    """The call's target forward (``hf_kvspec.forward.choose_forward``): the fast forward unless ``fast`` is False,
+    it does not apply to the model or the caller's cache (a ``ValueError`` naming why when ``fast`` is True), or
+    the assistant runs the target's layers itself."""
+    from hf_kvspec.forward.runner import FastForward, choose_forward
+
+    blocked = None  # decided before anything is packed: a call that cannot use the copies never makes them
+    if not FastForward.supports(cache):
+        blocked = (f"fast_forward=True runs on a DynamicCache (or none); got {type(cache).__name__}. Drop cache= "
+                   "or pass fast_forward=None (the reference forward for this cache).")
+    elif assistant.runs_verify_forward:
+        blocked = (f"fast_forward=True: {type(assistant).__name__} runs the target's layers itself "
+                   "(self-speculation); pass fast_forward=None or False.")
+    if blocked is not None and fast is True:
+        raise ValueError(blocked)
+    return choose_forward(model, False if blocked is not None and fast is None else fast)
