@@ -27,6 +27,7 @@ import time
 import torch
 
 from hf_kvspec import _compat
+from hf_kvspec.kernels.linear import kernels_apply
 from hf_kvspec.speculative.buffer import TokenBuffer
 from hf_kvspec.speculative.call_attention import call_attention as switched_attention
 from hf_kvspec.speculative.drafters.base import Assistant, DraftContext, DraftProposal, PlainDecoding, RoundOutcome
@@ -87,8 +88,6 @@ def speculative_generate(model, input_ids, logits_processor, stopping_criteria, 
                                  streamer=_compat.generate_call_streamer(), cache=model_kwargs.get("cache"),
                                  fast_forward=fast_forward)
     if decode_kernels is None:
-        from hf_kvspec.kernels.linear import kernels_apply
-
         decode_kernels = kernels_apply(model)
     previous = _compat.attn_implementation(model.config)
     with switched_attention(model, call_attention, assistant.call_attention) as switched:
@@ -103,7 +102,7 @@ def _run_with_kernels(decoder: SpeculativeDecoder, decode_kernels: bool, input_i
     routed = drafting if decoder.forward.name == "fast" else [decoder.model, *drafting]
     if not (decode_kernels and routed):
         return decoder.run(input_ids, model_kwargs)
-    from hf_kvspec.kernels.linear import DecodeKernels, default_plans_file
+    from hf_kvspec.kernels.linear import DecodeKernels, default_plans_file  # looked up per call (tests swap it)
 
     with DecodeKernels(*routed, route_on_enter=False, plans_file=default_plans_file()) as kernels:
         decoder.kernels = kernels
