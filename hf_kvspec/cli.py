@@ -276,7 +276,7 @@ def cache_tokens(prompt_len: int, max_new_tokens: int, assistant=None) -> int:
 
 def _calibrate_kernels(model, speculative: dict) -> None:
     """Time the decode kernels for this machine before anything is timed (once: the choices are stored)."""
-    from hf_kvspec.kernels.linear import kernels_apply
+    from hf_kvspec.forward.runner import kernels_apply
 
     if speculative["assistant"] is None or speculative["decode_kernels"] is False or not kernels_apply(model):
         return

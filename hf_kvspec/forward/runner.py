@@ -135,6 +135,15 @@ def choose_forward(model: nn.Module, fast: bool | None = None) -> EagerForward |
     return FastForward(model)
 
 
+def kernels_apply(model: nn.Module) -> bool:
+    """True when the decode kernels (``hf_kvspec.kernels``) can help ``model``'s few-row linear calls: fp32
+    weights on CPU, not being compiled. Decided here, beside the fast forward's rule, so that a call that does not
+    use the kernels never imports them."""
+    weight = next(model.parameters(), None)
+    return (weight is not None and weight.device.type == "cpu" and weight.dtype == torch.float32
+            and not torch.compiler.is_compiling())
+
+
 def fast_forward_applies(model: nn.Module) -> bool:
     """True when ``fast=None`` picks the fast forward: a supported model whose linear layers are large enough
     for weight reads to bound a step, not being compiled, with room for the packed copy."""

@@ -278,13 +278,6 @@ class DecodeKernels:
             self._warned = True
 
 
-def kernels_apply(model: nn.Module) -> bool:
-    """True when the decode kernels can help ``model``: fp32 weights on CPU, not being compiled."""
-    weight = next(model.parameters(), None)
-    return (weight is not None and weight.device.type == "cpu" and weight.dtype == torch.float32
-            and not torch.compiler.is_compiling())
-
-
 def default_plans_file() -> Path:
     """Where ``speculative_generate`` keeps kernel choices: ``decode_kernel_plans.json`` in the package's cache
     directory (``HF_KVSPEC_CACHE``, default ``~/.cache/hf_kvspec``), beside the converted bundled model."""

@@ -31,6 +31,7 @@ import torch
 
 from hf_kvspec import _compat
 from hf_kvspec.cache.ragged import RaggedPagedCache, RaggedRow
+from hf_kvspec.forward.runner import kernels_apply
 from hf_kvspec.speculative.drafters.features import FeatureCapture
 
 from .attention import ATTN_NAME, RaggedAttend
@@ -112,8 +113,6 @@ class ForwardRunner:
         self.reference = reference
         self.fast = None if reference or fast_forward is False else _fast_forward(model, fast_forward)
         if decode_kernels is None:
-            from hf_kvspec.kernels.linear import kernels_apply
-
             decode_kernels = not reference and self.fast is None and kernels_apply(model)
         self.kernels = _kernels_for(model) if decode_kernels else None
 

@@ -27,7 +27,7 @@ import time
 import torch
 
 from hf_kvspec import _compat
-from hf_kvspec.kernels.linear import kernels_apply
+from hf_kvspec.forward.runner import kernels_apply
 from hf_kvspec.speculative.buffer import TokenBuffer
 from hf_kvspec.speculative.call_attention import call_attention as switched_attention
 from hf_kvspec.speculative.drafters.base import Assistant, DraftContext, DraftProposal, PlainDecoding, RoundOutcome
