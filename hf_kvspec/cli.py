@@ -249,8 +249,8 @@ def _run_generate(args) -> None:
     cache = make_cache(args.cache, model.config, max_tokens=tokens)
     sampling = {"do_sample": True, "temperature": args.temperature} if args.temperature > 0 else {"do_sample": False}
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
-    _calibrate_kernels(model, speculative)
-    _pack_fast_forward(model, speculative, args.cache)
+    fast = _pack_fast_forward(model, speculative, args.cache)
+    _calibrate_kernels(model, speculative, target_routed=not fast)
     plain = None
     if args.compare_plain:  # first, so both runs find the model warm
         print("plain decoding (reference, not shown) ...", flush=True)
@@ -274,29 +274,42 @@ def cache_tokens(prompt_len: int, max_new_tokens: int, assistant=None) -> int:
     return prompt_len + max_new_tokens + extra
 
 
-def _calibrate_kernels(model, speculative: dict) -> None:
-    """Time the decode kernels for this machine before anything is timed (once: the choices are stored)."""
+def _calibrate_kernels(model, speculative: dict, target_routed: bool) -> None:
+    """Time the decode kernels for this machine before anything is timed (once: the choices are stored), for the
+    modules the call routes through them: the drafter's, and the target's only where the fast forward does not run
+    it (settling a layer makes its weight copy, which the fast forward's own packed copy makes useless)."""
+    from torch import nn
+
     from hf_kvspec.forward.runner import kernels_apply
 
-    if speculative["assistant"] is None or speculative["decode_kernels"] is False or not kernels_apply(model):
+    assistant = speculative["assistant"]
+    if assistant is None or speculative["decode_kernels"] is False or not kernels_apply(model):
+        return
+    modules = [m for m in assistant.kernel_modules() if isinstance(m, nn.Module)]
+    modules += [model] if target_routed else []
+    if not modules:
         return
     from hf_kvspec.kernels.linear import DecodeKernels, default_plans_file
 
-    with DecodeKernels(model, plans_file=default_plans_file(), route_on_enter=False) as kernels:
+    with DecodeKernels(*modules, plans_file=default_plans_file(), route_on_enter=False) as kernels:
         seconds = kernels.calibrate(max_rows=32)
     if seconds > 0:
         print(f"calibrated the decode kernels for this machine in {seconds:.1f} s (stored; done once)", flush=True)
 
 
-def _pack_fast_forward(model, speculative: dict, cache_name: str) -> None:
-    """Pack the fast forward's weight copies before anything is timed (once per process), and say so."""
+def _pack_fast_forward(model, speculative: dict, cache_name: str) -> bool:
+    """Pack the fast forward's weight copies before anything is timed (once per process), and say so; returns
+    whether the call will run the target on the fast forward."""
     from hf_kvspec.forward.runner import FastForward, fast_forward_applies
 
-    if cache_name != "dynamic" or speculative["fast_forward"] is False or not fast_forward_applies(model):
-        return
+    assistant = speculative["assistant"]
+    if cache_name != "dynamic" or speculative["fast_forward"] is False or not fast_forward_applies(model) or (
+            assistant is not None and assistant.runs_verify_forward):
+        return False
     seconds = FastForward(model).pack_s
     if seconds > 0:
         print(f"packed the weights for the fast forward in {seconds:.1f} s (once per process)", flush=True)
+    return True
 
 
 def _timed(model, inputs, cache, max_new_tokens, sampling, speculative, streamer=None):

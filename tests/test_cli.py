@@ -182,3 +182,35 @@ def test_reference_forward_reaches_generate_batch_and_serve(flags):
     assert kwargs["assistant"] is None and kwargs["fast_forward"] is expected  # plain decoding through the loop
     for command in (["batch", "prompts.jsonl", "--out", "out.jsonl"], ["serve", "--bundled"]):
         assert build_parser().parse_args([*command, *flags]).reference_forward is bool(flags)
+
+
+def test_kernels_are_calibrated_only_for_the_modules_the_call_routes(monkeypatch):
+    """With the fast forward running the target, settling the target's layers would copy weights nobody routes:
+    only the drafter's modules are calibrated; without it, the target's too."""
+    from hf_kvspec import cli
+    from hf_kvspec.kernels import linear
+    from hf_kvspec.speculative.drafters.draft_model import DraftModelAssistant
+    from tests.tiny_models import tiny_model
+
+    seen = []
+
+    class Recording:
+        def __init__(self, *modules, **kwargs):
+            seen.append(modules)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def calibrate(self, max_rows=None):
+            return 0.0
+
+    monkeypatch.setattr(linear, "DecodeKernels", Recording)
+    target, draft = tiny_model("llama", seed=0), tiny_model("llama", seed=1)
+    speculative = {"assistant": DraftModelAssistant(draft, 2), "decode_kernels": None}
+    cli._calibrate_kernels(target, speculative, target_routed=False)
+    cli._calibrate_kernels(target, speculative, target_routed=True)
+    cli._calibrate_kernels(target, {**speculative, "assistant": None}, target_routed=True)
+    assert seen == [(draft,), (draft, target)]
