@@ -249,7 +249,7 @@ def _run_generate(args) -> None:
     cache = make_cache(args.cache, model.config, max_tokens=tokens)
     sampling = {"do_sample": True, "temperature": args.temperature} if args.temperature > 0 else {"do_sample": False}
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
-    fast = _pack_fast_forward(model, speculative, args.cache)
+    fast = _pack_fast_forward(model, speculative, args.cache, plain_too=args.compare_plain)
     _calibrate_kernels(model, speculative, target_routed=not fast)
     plain = None
     if args.compare_plain:  # first, so both runs find the model warm
@@ -297,19 +297,21 @@ def _calibrate_kernels(model, speculative: dict, target_routed: bool) -> None:
         print(f"calibrated the decode kernels for this machine in {seconds:.1f} s (stored; done once)", flush=True)
 
 
-def _pack_fast_forward(model, speculative: dict, cache_name: str) -> bool:
-    """Pack the fast forward's weight copies before anything is timed (once per process), and say so; returns
-    whether the call will run the target on the fast forward."""
+def _pack_fast_forward(model, speculative: dict, cache_name: str, plain_too: bool = False) -> bool:
+    """Pack the fast forward's weight copies before anything is timed (once per process), and say so, when a
+    timed call will run it (the speculative one, or with ``plain_too`` the plain reference); returns whether the
+    speculative call runs the target on it (a self-drafter runs the target's layers itself)."""
     from hf_kvspec.forward.runner import FastForward, fast_forward_applies
 
-    assistant = speculative["assistant"]
-    if cache_name != "dynamic" or speculative["fast_forward"] is False or not fast_forward_applies(model) or (
-            assistant is not None and assistant.runs_verify_forward):
+    if cache_name != "dynamic" or speculative["fast_forward"] is False or not fast_forward_applies(model):
         return False
-    seconds = FastForward(model).pack_s
-    if seconds > 0:
-        print(f"packed the weights for the fast forward in {seconds:.1f} s (once per process)", flush=True)
-    return True
+    assistant = speculative["assistant"]
+    runs_fast = assistant is None or not assistant.runs_verify_forward
+    if runs_fast or plain_too:
+        seconds = FastForward(model).pack_s
+        if seconds > 0:
+            print(f"packed the weights for the fast forward in {seconds:.1f} s (once per process)", flush=True)
+    return runs_fast
 
 
 def _timed(model, inputs, cache, max_new_tokens, sampling, speculative, streamer=None):

@@ -111,8 +111,8 @@ class Drafters:
 
     shared_cost = False  # each request's draft call costs its own time (``DraftBudget``)
     pool = None  # no suffix pool
-    #: a spawned assistant may run the target's own forward (a draft model that is the target), outside the
-    #: engine's attention (``RoundDrafts.runs_target_outside``)
+    #: a spawned assistant may run the target's own forward (e.g. a subclass of ``DraftModelAssistant`` whose
+    #: draft model is the target), outside the engine's attention (``RoundDrafts.runs_target_outside``)
     runs_target = True
 
     def propose_rows(self, entries: list[tuple[Request, int]], record=None) -> list[DraftProposal]:

@@ -20,8 +20,8 @@ failure before any request was scheduled propagates out of ``step()`` (``failed_
 Threads: the public methods hold one reentrant lock, so ``step``, ``add_request``, ``cancel``, ``stream`` and
 ``get_output`` may be called from several threads; rounds never overlap.
 
-With an assistant, each decoding request drafts through the engine's drafter for the assistant (``round_drafts.py``), within the slots the
-scheduler granted it, and its drafts are verified in the same forward (``speculation.py``): the round commits,
+With an assistant, each decoding request drafts through the engine's drafter for it (``round_drafts.py``),
+within the slots the scheduler granted it, and its drafts are verified in the same forward (``speculation.py``): the round commits,
 per request, the accepted path plus one token and rolls the rest of its K/V back. How many tokens each request
 drafts is chosen per round from load (``hf_kvspec.speculative.draft_budget``): the measured cost of the packed
 forward against its token count, each drafter call's cost and each request's running acceptance, maximising the
@@ -283,7 +283,8 @@ class Engine:
 
     def _run_round(self, only: set[int] | None = None) -> tuple[RoundPlan, list[RowResult]]:
         """Schedule, draft, forward and choose tokens; on any exception, undo the round's reservations and samples
-        (and drop the drafter states of the requests that drafted in it)."""
+        (and drop the drafter states of the requests with verify rows in it; a draft model's cache also sheds what an
+        undone round left at the next draft: ``model_drafting.py``)."""
         generators, verify, plan = [], {}, None
         try:
             if self.drafts is not None:

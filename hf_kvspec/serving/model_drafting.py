@@ -90,9 +90,9 @@ class ModelDrafters(Drafters):
         self.cache.release(state)
 
     def observe(self, request: Request, kept_width: int, *verdict) -> None:
-        """The target now holds ``kept_width`` tokens of ``request``: the draft cache keeps at most those."""
-        held = self.cache.length(request.request_id)
-        if held > kept_width:
+        """The target now holds ``kept_width`` tokens of ``request``: the draft cache keeps at most those (nothing to
+        do for a request whose draft K/V was dropped this round for want of room)."""
+        if request.request_id in self.states and self.cache.length(request.request_id) > kept_width:
             self.cache.truncate(request.request_id, kept_width)
 
     def telemetry(self) -> dict:
@@ -122,18 +122,29 @@ class ModelDrafters(Drafters):
         for request, count in entries:
             if count <= 0:
                 continue
+            self._settle(request)
             needed = self.cache.blocks_to_grow(request.request_id, len(request.tokens) + count - 1)
             if needed <= free:
                 free -= needed
                 drafting.append((request, count))
             elif self.cache.length(request.request_id) > 0:
+                before = self.cache.num_free_blocks()
                 self.drop(request)  # frees its blocks for the others; restarted from its tokens later
+                free += self.cache.num_free_blocks() - before
         return drafting
+
+    def _settle(self, request: Request) -> None:
+        """Hold at most the request's committed columns (all its tokens but the newest): a round that drafted
+        and then failed, or whose drafts were all dropped before verifying, leaves draft columns behind."""
+        committed = len(request.tokens) - 1
+        if self.cache.length(request.request_id) > committed:
+            self.cache.truncate(request.request_id, committed)
 
     def _draft(self, drafting: list[tuple[Request, int]], record) -> dict[int, DraftProposal]:
         """The chains of ``drafting``, depth by depth (module docstring's picture); ``record(count, seconds)`` gets
         each request's share of the drafting time (a long catch-up, a request's first, is no draft's cost)."""
-        chains = {request.request_id: _Chain(request, self.assistant.sample_drafts) for request, _ in drafting}
+        device = self.runner.device
+        chains = {request.request_id: _Chain(request, self.assistant.sample_drafts, device) for request, _ in drafting}
         fed = {request.request_id: request.tokens[self.cache.length(request.request_id):] for request, _ in drafting}
         seconds = 0.0
         for depth in range(max((count for _, count in drafting), default=0)):
@@ -170,9 +181,10 @@ class _Chain:
     """One request's chain, one draft at a time: each draft's scores processed after the request's tokens and the
     drafts before it (as the target's will be), then sampled (keeping the distribution) or its argmax."""
 
-    def __init__(self, request: Request, sample_drafts: bool):
-        tokens = torch.tensor([request.tokens], dtype=torch.long)  # [1, L]
+    def __init__(self, request: Request, sample_drafts: bool, device: torch.device):
+        tokens = torch.tensor([request.tokens], dtype=torch.long, device=device)  # [1, L]
         self.history = History(tokens, tokens.shape[1] + request.settings.max_new_tokens + 1, 0)
+        self.device = device
         self.processor = request_processor(request)
         self.sample = sample_drafts and request.settings.do_sample
         self.generator = request.generator
@@ -181,7 +193,7 @@ class _Chain:
 
     def next(self, logits: torch.Tensor) -> int:
         """The next draft after ``logits`` [V]."""
-        drafted = torch.tensor([self.tokens], dtype=torch.long).view(1, -1)  # [1, n]
+        drafted = torch.tensor([self.tokens], dtype=torch.long, device=self.device).view(1, -1)  # [1, n]
         scores = self.processor(self.history, drafted, logits[None, None].float(), start=len(self.tokens))[0, 0]
         if self.sample:
             dist = torch.softmax(scores, dim=-1)  # [V]
@@ -194,4 +206,5 @@ class _Chain:
 
     def proposal(self) -> DraftProposal:
         probs = torch.stack(self.probs)[None] if self.probs else None  # [1, N, V]
-        return DraftProposal(torch.tensor([self.tokens], dtype=torch.long), probs, draft_forwards=len(self.tokens))
+        return DraftProposal(torch.tensor([self.tokens], dtype=torch.long, device=self.device), probs,
+                             draft_forwards=len(self.tokens))

@@ -115,8 +115,8 @@ class RoundDrafts:
 
     @property
     def runs_target_outside(self) -> bool:
-        """Whether drafting may run the target's own forward outside the engine's attention (a draft model that is
-        the target): then the engine must not hold its attention switch across rounds."""
+        """Whether drafting may run the target's own forward outside the engine's attention (an assistant of the
+        user's own, spawned per request): then the engine must not hold its attention switch across rounds."""
         return self.drafters.runs_target
 
     # ---- before and after scheduling ---------------------------------------------------------------------

@@ -5,7 +5,8 @@ Boundary: one request's verify row in the packed forward — its ``ForwardRow`` 
 new tokens). Everything else of the round is the speculative package's one implementation, the same the
 ``generate`` loop runs: ``rounds.plan_round`` decides chain or tree; ``round.accept`` processes each node's scores
 after its own path, accepts (greedy, or speculative sampling with the request's own generator) and says which
-columns stay; ``round.keep_columns`` keeps them (``engine.py`` calls it at the commit). Who drafts is ``drafting.py``'s; committing and stopping are the engine's.
+columns stay; ``round.keep_columns`` keeps them (``RoundDrafts.keep`` at the commit). Who drafts is
+``round_drafts.py``'s; committing and stopping are the engine's.
 
 A verify row of request r (tokens ``t_0 .. t_{L-1}``, the cache holding the first ``L - 1``)::
 
@@ -54,7 +55,7 @@ class Verdict:
     tokens: list[int]  # accepted drafts, then the next token (the request's new output, before stop checks)
     num_accepted: int  # k
     num_draft: int  # N
-    kept: torch.Tensor  # [1, 1 + k] offsets among the row's new tokens that stay in the cache: the root (0), the path
+    kept: torch.Tensor | None  # [1, 1 + k] new-token offsets that stay: the root (0), the path; None: a plain row
     accepted_nodes: torch.Tensor  # [1, k] node index of each accepted draft, in path order
     logprobs: tuple[TokenLogprob, ...] = ()  # per token, when the request asked for them (``logprobs.py``)
 

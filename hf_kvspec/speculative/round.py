@@ -5,7 +5,8 @@
     logits  = <the caller's verify forward>                 the loop's padded batch, or the engine's packed rows
     verdict = accept(plan, processor, history, logits)      scores along each node's own path, the verifier's
                                                             decision, the tokens each row emits, what it keeps
-    keep_columns(cache, start, verdict.kept[, ...])          the cache keeps each row's root and accepted path
+    keep_columns(cache, start, verdict.kept[:, :1 + k])      the cache keeps each row's root and accepted path (k:
+                                                            the longest kept path; an engine row its own k)
 
 Boundary: everything in a round that decides; the callers run the forwards and commit (the loop into its buffer
 and history, with stop checks per position; the engine into its requests, with stop checks per token). A drafter's
@@ -59,7 +60,7 @@ def accept(plan: ChainRound | TreeRound, processor: PositionwiseProcessor, histo
     return RoundVerdict(result, scores, emitted, score_rows, keep_indices(nodes))
 
 
-def keep_columns(cache, start: int, kept: torch.Tensor, *, new: int = 0, tree: bool = False,
+def keep_columns(cache, start: int, kept: torch.Tensor, *, new: int | None = None, tree: bool = False,
                  seq_id: int | None = None, sliding: bool = False) -> None:
     """The one way a round's cache keeps its verified columns: of the ``new`` columns written from ``start`` on,
     those in ``kept`` ``[A, 1 + k]`` (ascending; a row that kept fewer repeats its last index, the caller masks
@@ -74,5 +75,7 @@ def keep_columns(cache, start: int, kept: torch.Tensor, *, new: int = 0, tree: b
         cache.keep_new_tokens(seq_id, start, kept[0].tolist())
     elif tree:
         keep_positions(cache, start, kept)
+    elif new is None:
+        raise TypeError("keep_columns() of a chain needs new= (the columns the verify forward wrote)")
     elif new > kept.shape[1] or sliding:
         cache.crop(kept.shape[1] - new)

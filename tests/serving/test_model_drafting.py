@@ -108,3 +108,36 @@ def test_a_failing_draft_forward_drops_the_drafting_requests(models, monkeypatch
         drafters.propose_rows([(request, 2)])
     assert not drafters.has_state(request)
     assert drafters.cache.num_free_blocks() == drafters.cache.num_total_blocks()
+
+
+def test_draft_columns_of_an_undone_round_are_shed_before_the_next_draft(models):
+    """A round that drafted and then failed (no verdict) leaves draft columns past the request's committed tokens:
+    the next draft starts from the committed ones and drafts what it would have drafted first."""
+    target, draft = models
+    drafters = _drafters(target, draft)
+    request = _request(0, list(range(3, 12)))
+    drafters.start(request)
+    first = drafters.propose_rows([(request, 3)])[0]  # the round then fails: no observe
+    assert drafters.cache.length(0) == request.num_tokens + 2
+    again = drafters.propose_rows([(request, 3)])[0]
+    assert again.tokens.tolist() == first.tokens.tolist()
+
+
+def test_a_request_dropped_for_room_takes_a_verdict_without_its_draft_state(models):
+    """Under fixed draft lengths a request dropped for want of room still gets a (0-draft) verdict: observing it
+    is a no-op, and its state begins again."""
+    target, draft = models
+    drafters = _drafters(target, draft, blocks=4)
+    request = _request(0, list(range(1, 6)), max_new_tokens=64)
+    drafters.start(request)
+    drafters.propose_rows([(request, 3)])
+    request.append_token(7, 0.0)
+    request.num_computed = request.num_tokens - 1
+    drafters.observe(request, request.num_computed, 0, 3, None, None)
+    for token in range(10, 40):  # grow past what the draft cache holds
+        request.append_token(token % 50 + 1, 0.0)
+    request.num_computed = request.num_tokens - 1
+    assert drafters.propose_rows([(request, 3)])[0].tokens.shape[1] == 0 and not drafters.has_state(request)
+    drafters.observe(request, request.num_computed, 0, 0, None, None)  # the round's verdict: nothing to keep
+    drafters.start(request)
+    assert drafters.has_state(request)

@@ -142,7 +142,7 @@ def test_sixteen_rows_with_chunked_prefill(llama, kind):
 @pytest.mark.parametrize("kind", DRAFTERS)
 def test_prefix_hits_preemption_and_cancellation(llama, kind):
     """A shared system prompt (prefix hits: no features for the cached columns), a pool far smaller than the
-    batch's peak (preemption and recompute, drafter sessions restarted) and two cancellations."""
+    batch's peak (preemption and recompute, drafter states restarted) and two cancellations."""
     system = random_prompts([16], seed=4, vocab=VOCAB)[0]
     prompts = [system + tail for tail in random_prompts([3, 7, 5, 9, 4, 6], seed=5, vocab=VOCAB)]
     engine = Engine(llama, draft_lengths=DRAFT_LENGTHS, kv_budget=14, block_size=4, max_tokens_per_round=24, max_running=6,
@@ -184,7 +184,7 @@ def test_drafts_count_in_the_budget_and_crowded_rounds_grant_fewer(llama):
 
 
 def test_a_failed_round_drops_its_drafters_and_the_engine_carries_on(llama):
-    """A logits processor raises once in a speculative round: nothing advances, the drafter sessions of that
+    """A logits processor raises once in a speculative round: nothing advances, the drafter states of that
     round are dropped and begin again later (the round is re-run request by request, where the passing failure
     does not recur); every output is still the plain greedy one."""
     calls = {"n": 0}

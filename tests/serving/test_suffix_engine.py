@@ -132,7 +132,7 @@ def test_the_mixed_drafter_chooses_its_source_before_the_plan(llama):
     first = engine.add_request(prompt, max_new_tokens=20)
     run_to_end(engine)
     again = engine.add_request(prompt, max_new_tokens=20)
-    engine.step()  # prefill: the request starts decoding, its pool and model sessions begin
+    engine.step()  # prefill: the request starts decoding, its pool and model drafter states begin
     request = engine.scheduler.running[0]
     mixed = engine.drafts.drafters
     mixed.model_alpha.requests[again] = [0.0, 100.0]  # the model's drafts are never accepted: the pool's win
