@@ -210,8 +210,9 @@ class RoundDrafts:
         drafters are mixed."""
         pool = getattr(self.drafters, "pool", None)
         out = {} if pool is None else {"suffix_pool": pool.stats()}
-        if isinstance(self.drafters, ModelDrafters):
-            out.update(self.drafters.telemetry())
+        model_drafter = self.drafters.model if isinstance(self.drafters, MixedDrafters) else self.drafters
+        if isinstance(model_drafter, ModelDrafters):
+            out.update(model_drafter.telemetry())
         if isinstance(self.drafters, MixedDrafters):
             out["drafted_by"] = dict(self.drafters.drafted_by)
         return out

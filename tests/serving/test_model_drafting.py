@@ -141,3 +141,17 @@ def test_a_request_dropped_for_room_takes_a_verdict_without_its_draft_state(mode
     drafters.observe(request, request.num_computed, 0, 0, None, None)  # the round's verdict: nothing to keep
     drafters.start(request)
     assert drafters.has_state(request)
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+def test_the_engine_reports_the_draft_cache_alone_and_mixed_with_the_pool(models, mixed):
+    from hf_kvspec import Engine
+    from hf_kvspec.serving.model_drafting import draft_cache_blocks
+
+    target, draft = models
+    assistant = DraftModelAssistant(draft, 2)
+    engine = Engine(target, kv_budget=64, block_size=4, assistant=["suffix", assistant] if mixed else assistant)
+    engine.generate_batch([[5, 6, 7, 8, 9], [3, 4, 5]], max_new_tokens=6, progress_bar=False)
+    report = engine.telemetry()["draft_cache"]
+    assert report["total_blocks"] == draft_cache_blocks(engine.cache) == 64 + 8
+    assert report["used_blocks"] == 0  # finished requests gave their draft K/V back
