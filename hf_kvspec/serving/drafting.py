@@ -134,12 +134,17 @@ class Drafters:
     def _propose_one(self, request: Request, count: int) -> DraftProposal:
         """``request``'s spawned assistant drafts at most ``count`` nodes ``[1, N]`` (a chain or a tree), no path
         deeper than the tokens it has left."""
-        buffer, max_depth = self._buffer(request.tokens), self.max_depth(request)
+        ctx = self._context(request, count)
+        return cap_proposal(self.states[request.request_id].propose(ctx), ctx.max_depth, max_nodes=count)
+
+    def _context(self, request: Request, count: int) -> DraftContext:
+        """A one-row ``DraftContext`` over ``request``'s tokens for at most ``count`` drafts: its processors and
+        warpers, no path deeper than the tokens it has left."""
+        buffer = self._buffer(request.tokens)
         history = History(buffer.tokens, buffer.width + count + 1, self.pad_token_id)
         alive = torch.ones(1, dtype=torch.bool, device=self.target.device)
-        ctx = DraftContext(buffer, history, count, request.settings.do_sample, alive, request_processor(request),
-                           max_depth=max_depth)
-        return cap_proposal(self.states[request.request_id].propose(ctx), max_depth, max_nodes=count)
+        return DraftContext(buffer, history, count, request.settings.do_sample, alive, request_processor(request),
+                            max_depth=self.max_depth(request))
 
     def _buffer(self, tokens: list[int]) -> TokenBuffer:
         # [1, L]: every column real, the last one (the newest token) not yet in the target's cache

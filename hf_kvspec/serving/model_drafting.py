@@ -37,15 +37,12 @@ import time
 import torch
 
 from hf_kvspec.cache.ragged import RaggedPagedCache
-from hf_kvspec.speculative.drafters.base import DraftProposal
+from hf_kvspec.speculative.drafters.base import ChainDraft, DraftProposal
 from hf_kvspec.speculative.drafters.draft_model import DraftModelAssistant, check_vocabulary, to_target_vocabulary
-from hf_kvspec.speculative.positions import History
-from hf_kvspec.speculative.verify import sample_tokens
 
 from .drafting import Drafters
 from .request import Request
 from .runner import ForwardRow, ForwardRunner
-from .speculation import request_processor
 
 MODEL_ASSISTANTS = (DraftModelAssistant,)
 
@@ -143,8 +140,7 @@ class ModelDrafters(Drafters):
     def _draft(self, drafting: list[tuple[Request, int]], record) -> dict[int, DraftProposal]:
         """The chains of ``drafting``, depth by depth (module docstring's picture); ``record(count, seconds)`` gets
         each request's share of the drafting time (a long catch-up, a request's first, is no draft's cost)."""
-        device = self.runner.device
-        chains = {request.request_id: _Chain(request, self.assistant.sample_drafts, device) for request, _ in drafting}
+        chains = {request.request_id: self._chain(request, count) for request, count in drafting}
         fed = {request.request_id: request.tokens[self.cache.length(request.request_id):] for request, _ in drafting}
         seconds = 0.0
         for depth in range(max((count for _, count in drafting), default=0)):
@@ -152,12 +148,21 @@ class ModelDrafters(Drafters):
             active = [request for request, count in drafting if count > depth]
             rows = [(request.request_id, fed[request.request_id]) for request in active]
             for request, row_logits in zip(active, self._forward(rows)):  # [n, V]
-                fed[request.request_id] = [chains[request.request_id].next(row_logits)]
+                token = chains[request.request_id].next(row_logits[None, None].to(self.target.device))  # [1]
+                fed[request.request_id] = [int(token[0])]
             if depth or sum(len(tokens) for _, tokens in rows) <= 2 * len(rows):
                 seconds += time.perf_counter() - started
         for _, count in drafting if record is not None else ():
             record(count, seconds / len(drafting))
         return {request_id: chain.proposal() for request_id, chain in chains.items()}
+
+    def _chain(self, request: Request, count: int) -> ChainDraft:
+        """``request``'s chain (``ChainDraft``, as ``DraftModelAssistant`` drafts in ``generate``): each draft
+        processed after the request's tokens and the drafts before it, sampled with the request's generator when
+        it samples and the assistant samples drafts, else the argmax."""
+        ctx = self._context(request, count)
+        return ChainDraft(ctx, ctx.buffer.tokens[:, :0], sample=self.assistant.sample_drafts,
+                          generator=request.generator)
 
     def _forward(self, rows: list[tuple[int, list[int]]]) -> torch.Tensor:
         """One committed draft forward: each ``(request id, tokens)`` fed after what the draft cache holds of it ->
@@ -176,35 +181,3 @@ class ModelDrafters(Drafters):
             self.cache.end_forward(ok=ok)
         return to_target_vocabulary(logits, self.target_vocab)
 
-
-class _Chain:
-    """One request's chain, one draft at a time: each draft's scores processed after the request's tokens and the
-    drafts before it (as the target's will be), then sampled (keeping the distribution) or its argmax."""
-
-    def __init__(self, request: Request, sample_drafts: bool, device: torch.device):
-        tokens = torch.tensor([request.tokens], dtype=torch.long, device=device)  # [1, L]
-        self.history = History(tokens, tokens.shape[1] + request.settings.max_new_tokens + 1, 0)
-        self.device = device
-        self.processor = request_processor(request)
-        self.sample = sample_drafts and request.settings.do_sample
-        self.generator = request.generator
-        self.tokens: list[int] = []
-        self.probs: list[torch.Tensor] = []  # [V] each, when sampling
-
-    def next(self, logits: torch.Tensor) -> int:
-        """The next draft after ``logits`` [V]."""
-        drafted = torch.tensor([self.tokens], dtype=torch.long, device=self.device).view(1, -1)  # [1, n]
-        scores = self.processor(self.history, drafted, logits[None, None].float(), start=len(self.tokens))[0, 0]
-        if self.sample:
-            dist = torch.softmax(scores, dim=-1)  # [V]
-            self.probs.append(dist)
-            token = int(sample_tokens(dist[None], self.generator)[0])
-        else:
-            token = int(scores.argmax())
-        self.tokens.append(token)
-        return token
-
-    def proposal(self) -> DraftProposal:
-        probs = torch.stack(self.probs)[None] if self.probs else None  # [1, N, V]
-        return DraftProposal(torch.tensor([self.tokens], dtype=torch.long, device=self.device), probs,
-                             draft_forwards=len(self.tokens))

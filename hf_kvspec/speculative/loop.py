@@ -193,8 +193,7 @@ class SpeculativeDecoder:
         result, longest = verdict.result, int(verdict.result.num_accepted[alive].max())  # roll back / keep the path
         keep_columns(self.cache, self.buffer.width - 1, verdict.kept[:, :longest + 1], new=plan.num_draft + 1,
                      tree=plan.is_tree, sliding=self.sliding)
-        emitted = result.accepted_tokens(plan.proposal.tokens)[:, :longest]
-        self.buffer.append_round(emitted, result.num_accepted, result.next_tokens, alive)
+        self.buffer.append_round(verdict.emitted[:, :longest], result.num_accepted, result.next_tokens, alive)
         hidden = plan.path_hidden(hidden, result.accepted_nodes, longest)
         self._telemetry(plan, result, kept, alive, hidden, drafted - start, verified - drafted)
         self.output.stream(self.rows.full, self.rows.call_alive())  # emit

@@ -86,11 +86,13 @@ class ChainDraft:
 
     Each ``next(logits)`` processes ``logits`` [B, 1, V] after each row's history and the tokens drafted so far, then
     samples (keeping the distribution, for exact rejection sampling) when ``ctx.do_sample`` and ``sample``, else
-    takes the argmax. ``proposal()`` is the ``DraftProposal`` of the chain.
+    takes the argmax. ``proposal()`` is the ``DraftProposal`` of the chain. ``generator``: where the draws come
+    from (an engine request's own; None: torch's default).
     """
 
-    def __init__(self, ctx: DraftContext, empty: torch.Tensor, sample: bool = True):
-        self.ctx, self.sample = ctx, sample and ctx.do_sample
+    def __init__(self, ctx: DraftContext, empty: torch.Tensor, sample: bool = True,
+                 generator: torch.Generator | None = None):
+        self.ctx, self.sample, self.generator = ctx, sample and ctx.do_sample, generator
         self.empty = empty  # [B, 0] int64: the drafted prefix before the first token
         self.tokens: list[torch.Tensor] = []  # [B] each
         self.probs: list[torch.Tensor] = []  # [B, V] each, when sampling
@@ -105,7 +107,7 @@ class ChainDraft:
         scores = self.ctx.process(logits, self.drafted(), start=len(self.tokens))[:, 0]  # [B, V]
         if self.sample:
             dist = torch.softmax(scores, dim=-1)
-            token = sample_tokens(dist)
+            token = sample_tokens(dist, self.generator)
             self.probs.append(dist)
         else:
             token = scores.argmax(dim=-1)
